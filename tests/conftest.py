@@ -1,0 +1,265 @@
+"""Launch helpers shared by every lesson's tests.
+
+The tests start the real launchers (`python`, `torchrun`, `deepspeed`, `srun`) as subprocesses, the
+way a reader would, and then compare the numbers those runs write (`--metrics-out`, `--export`,
+`--json-out`). Every launch:
+
+- runs from the repository root with a free port, `OMP_NUM_THREADS=1` (two cores are shared by all
+  ranks) and no visible GPU, so the suite behaves the same on a laptop, in CI and on a GPU node;
+- has a hard timeout that kills the launcher's whole process group (ranks included);
+- shows the command, exit status and the tail of stdout and stderr when it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+# --------------------------------------------------------------------------------------------------
+# Processes
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it back, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        CUDA_VISIBLE_DEVICES="",  # the suite proves the CPU path; GPUs are for the benchmarks
+        PYTHONWARNINGS="ignore",
+    )
+    # Variables of an outer launcher would change what the child thinks its rank is.
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    for key in [k for k in env if k.startswith("SLURM_")]:
+        env.pop(key, None)
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@dataclass
+class Result:
+    cmd: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float
+
+    def describe(self) -> str:
+        return (f"command: {shlex.join(self.cmd)}\nexit status: {self.returncode} "
+                f"after {self.elapsed:.1f}s\n--- stdout (tail) ---\n{self.stdout[-4000:]}\n"
+                f"--- stderr (tail) ---\n{self.stderr[-6000:]}")
+
+    def stderr_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.strip()]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def start(cmd: list[str], *, env: dict | None = None, cwd: Path = REPO) -> subprocess.Popen:
+    """Start a command in its own process group (so a timeout can kill every rank it spawned)."""
+    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=base_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, cmd: list[str], *, timeout: float, t0: float,
+           check: bool = True) -> Result:
+    try:
+        out, err = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        result = Result([str(c) for c in cmd], -9, out, err, time.monotonic() - t0)
+        raise AssertionError(f"timed out after {timeout}s and was killed\n{result.describe()}")
+    finally:
+        _kill_group(proc)  # ranks the launcher left behind, if any
+    result = Result([str(c) for c in cmd], proc.returncode, out, err, time.monotonic() - t0)
+    if check and result.returncode != 0:
+        raise AssertionError(f"command failed\n{result.describe()}")
+    return result
+
+
+def launch(cmd: list, *, timeout: float = 120, env: dict | None = None, check: bool = True,
+           cwd: Path = REPO) -> Result:
+    """Run one command to completion; raise with its output if it fails (when check) or hangs."""
+    t0 = time.monotonic()
+    proc = start(cmd, env=env, cwd=cwd)
+    return finish(proc, cmd, timeout=timeout, t0=t0, check=check)
+
+
+def run_python(script: str, *args, **kw) -> Result:
+    """`python script.py ...`: one process, world size 1."""
+    return launch([PYTHON, script, *args], **kw)
+
+
+def torchrun_cmd(script: str, *args, nproc: int = 2, port: int | None = None) -> list:
+    return ["torchrun", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            f"--master_port={port or free_port()}", script, *args]
+
+
+def run_torchrun(script: str, *args, nproc: int = 2, **kw) -> Result:
+    """`torchrun --nproc_per_node=N script.py ...` on one node."""
+    return launch(torchrun_cmd(script, *args, nproc=nproc), **kw)
+
+
+def run_torchrun_nodes(script: str, *args, nnodes: int = 2, nproc_per_node: int = 1,
+                       rdzv: str = "static", timeout: float = 120, env: dict | None = None,
+                       check: bool = True) -> list[Result]:
+    """Simulate `nnodes` machines on localhost: one torchrun launcher per node, started together.
+
+    rdzv="static": every node names the master address/port and its own --node_rank.
+    rdzv="c10d": the nodes meet at a c10d rendezvous endpoint and are given ranks by it.
+    """
+    port = free_port()
+    cmds = []
+    for node in range(nnodes):
+        cmd = ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}"]
+        if rdzv == "static":
+            cmd += [f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        else:
+            cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                    f"--rdzv_id=test{port}"]
+        cmds.append(cmd + [script, *args])
+    t0 = time.monotonic()
+    procs = [start(c, env=env) for c in cmds]
+    results = []
+    try:
+        for proc, cmd in zip(procs, cmds):
+            results.append(finish(proc, cmd, timeout=timeout, t0=t0, check=check))
+    finally:
+        for proc in procs:
+            _kill_group(proc)
+    return results
+
+
+def run_deepspeed(script: str, *args, num_gpus: int = 2, **kw) -> Result:
+    """`deepspeed --num_gpus N script.py ...` (on CPU DeepSpeed picks its CPU accelerator + gloo)."""
+    return launch(["deepspeed", f"--num_gpus={num_gpus}", f"--master_port={free_port()}",
+                   script, *args], **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Results
+
+
+def read_json(path: Path | str):
+    import json
+    return json.loads(Path(path).read_text())
+
+
+def load_export(path: Path | str) -> dict[str, torch.Tensor]:
+    """An exported plain state dict (DESIGN 2.8): loads on CPU without any parallel wrapper."""
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    assert isinstance(sd, dict) and sd, f"{path} does not hold a state dict"
+    return sd
+
+
+def assert_state_dicts_close(actual: dict, expected: dict, *, rtol: float, atol: float,
+                             msg: str = "") -> None:
+    """Same keys, same shapes and dtypes, values within (rtol, atol); the message names the key."""
+    assert sorted(actual) == sorted(expected), f"{msg} keys differ: {sorted(actual)} vs " \
+                                               f"{sorted(expected)}"
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol,
+                                   msg=lambda m, k=key: f"{msg} {k}: {m}")
+
+
+def assert_state_dicts_equal(actual: dict, expected: dict, msg: str = "") -> None:
+    """Bitwise equality (resume tests: the same arithmetic in the same order)."""
+    assert_state_dicts_close(actual, expected, rtol=0, atol=0, msg=msg)
+
+
+def assert_bad_input(result: Result, pattern: str, *, ranks: int = 1) -> None:
+    """DESIGN 2.10: exit status 2 and exactly one stderr line per rank, naming the problem."""
+    assert result.returncode == 2, f"expected exit status 2\n{result.describe()}"
+    lines = result.stderr_lines()
+    assert len(lines) == ranks, f"expected {ranks} stderr line(s), got {len(lines)}\n" \
+                                f"{result.describe()}"
+    for line in lines:
+        assert re.search(pattern, line), f"{line!r} does not match {pattern!r}"
+
+
+# --------------------------------------------------------------------------------------------------
+# READMEs: every command in a ```bash block is run verbatim by the suite
+
+
+def readme_commands(readme: Path | str) -> list[str]:
+    """Commands of the ```bash blocks of a README (continuation lines joined, comments dropped).
+
+    Convention used by every README of the course:
+      ```bash    commands the suite runs verbatim from the repository root;
+      ```sh      commands that need more than one machine, a GPU or a cluster: a lesson test runs
+                 each with its stated substitution and asserts that the command text is in the
+                 README (see `readme_mentions`);
+      ```text / ```console   output, never run.
+    """
+    text = Path(readme).read_text()
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
+        joined = re.sub(r"\\\n\s*", "", block)
+        for line in joined.splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                commands.append(line)
+    return commands
+
+
+def readme_mentions(readme: Path | str, command: str) -> bool:
+    text = re.sub(r"\\\n\s*", "", Path(readme).read_text())
+    return command in text
+
+
+def run_readme_command(command: str, *, timeout: float = 180, env: dict | None = None) -> Result:
+    """Run a README command verbatim through bash and check its exit status: 0, or N when the line
+    ends with the comment `# exits N` (a documented failure). Only ports are chosen for it: torchrun
+    reads PET_MASTER_PORT, the deepspeed launcher gets --master_port, scripts that start a process
+    group themselves read MASTER_PORT."""
+    expected = re.search(r"#\s*exits\s+(\d+)\s*$", command)
+    port = free_port()
+    extra = {"PET_MASTER_PORT": port, "MASTER_PORT": port}
+    if env:
+        extra.update(env)
+    if re.match(r"^deepspeed\s", command) and "--master_port" not in command:
+        command = command.replace("deepspeed ", f"deepspeed --master_port={port} ", 1)
+    result = launch(["bash", "-c", command], timeout=timeout, env=extra, check=False)
+    want = int(expected.group(1)) if expected else 0
+    assert result.returncode == want, f"expected exit status {want}\n{result.describe()}"
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
