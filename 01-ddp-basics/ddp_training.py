@@ -5,6 +5,7 @@ Launch (from the repository root):
     python 01-ddp-basics/ddp_training.py                                  # 1 process
     torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py             # 2 ranks, one node
     torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py --grad-accum 2 --ckpt-dir runs/ddp
+    python 01-ddp-basics/ddp_training.py --spawn 2                        # mp.spawn, no torchrun
     srun -n 2 python 01-ddp-basics/ddp_training.py                        # SLURM, one task per GPU
     torchrun --nproc_per_node=8 01-ddp-basics/ddp_training.py --device cuda --precision bf16
 
@@ -75,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--fail-at-step", type=int, default=0,
                    help="fault injection: --fail-rank raises once at this step (needs --ckpt-dir)")
     p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--spawn", type=int, default=0, metavar="N",
+                   help="start N local ranks with torch.multiprocessing.spawn instead of torchrun")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--metrics-out", type=Path, help="rank 0 writes the run's metrics JSON here")
     p.add_argument("--export", type=Path, help="rank 0 writes the plain model state_dict here")
@@ -86,6 +89,8 @@ def parse_args(argv=None):
         fail(f"--lr and --timeout-s must be positive, got {args.lr} and {args.timeout_s}")
     if args.warmup_steps < 0 or args.ckpt_every < 0:
         fail("--warmup-steps and --ckpt-every must be >= 0")
+    if args.spawn and ("RANK" in os.environ or args.spawn < 1):
+        fail("--spawn N starts N ranks itself: use it with plain python, N >= 1")
     if args.fail_at_step and not args.ckpt_dir:
         fail("--fail-at-step needs --ckpt-dir (the restart resumes from it)")
     return args
@@ -201,8 +206,27 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler, scal
     dist.barrier()  # nobody reads or moves on before the file is complete
 
 
+def spawn_worker(local_rank: int, nprocs: int, port: int, argv: list):
+    """mp.spawn calls this in each child with its index: set what torchrun would have set."""
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    main(argv)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.spawn:  # the alternative to torchrun: this process starts the ranks itself
+        import socket
+        import torch.multiprocessing as mp
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(os.environ.get("MASTER_PORT", s.getsockname()[1]))
+        i = argv.index("--spawn") if "--spawn" in argv else None
+        child_argv = argv[:i] + argv[i + 2:] if i is not None else \
+            [a for a in argv if not a.startswith("--spawn=")]
+        mp.spawn(spawn_worker, args=(args.spawn, port, child_argv), nprocs=args.spawn)
+        return
     rank, world, device = init_distributed(args.device, args.timeout_s)
     try:
         train(args, rank, world, device)

@@ -149,6 +149,12 @@ def run_torchrun_nodes(script: str, *args, nnodes: int = 2, nproc_per_node: int 
             cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                     f"--rdzv_id=test{port}"]
         cmds.append(cmd + [script, *args])
+    return run_together(cmds, timeout=timeout, env=env, check=check)
+
+
+def run_together(cmds: list[list], *, timeout: float = 120, env: dict | None = None,
+                 check: bool = True) -> list[Result]:
+    """Start several commands at once (e.g. one launcher per simulated node) and wait for all."""
     t0 = time.monotonic()
     procs = [start(c, env=env) for c in cmds]
     results = []
