@@ -73,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
     p.add_argument("--ckpt-dir", type=Path, help="checkpoint here and resume from the newest")
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every K steps (0: end)")
+    p.add_argument("--keep-ckpts", type=int, default=3, help="keep the newest K checkpoints")
     p.add_argument("--fail-at-step", type=int, default=0,
                    help="fault injection: --fail-rank raises once at this step (needs --ckpt-dir)")
     p.add_argument("--fail-rank", type=int, default=0)
@@ -87,8 +88,8 @@ def parse_args(argv=None):
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.lr <= 0 or args.timeout_s <= 0:
         fail(f"--lr and --timeout-s must be positive, got {args.lr} and {args.timeout_s}")
-    if args.warmup_steps < 0 or args.ckpt_every < 0:
-        fail("--warmup-steps and --ckpt-every must be >= 0")
+    if args.warmup_steps < 0 or args.ckpt_every < 0 or args.keep_ckpts < 1:
+        fail("--warmup-steps and --ckpt-every must be >= 0, --keep-ckpts >= 1")
     if args.spawn and ("RANK" in os.environ or args.spawn < 1):
         fail("--spawn N starts N ranks itself: use it with plain python, N >= 1")
     if args.fail_at_step and not args.ckpt_dir:
@@ -189,7 +190,8 @@ def latest_checkpoint(ckpt_dir: Path):
     return None
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler, scaler, rank: int):
+def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler, scaler, rank: int,
+                    keep: int):
     if rank == 0:
         state = {
             "step": step,
@@ -203,6 +205,8 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler, scal
         tmp = ckpt_dir / f".step_{step:06d}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, ckpt_dir / f"step_{step:06d}.pt")  # atomic on POSIX
+        for old in sorted(ckpt_dir.glob("step_*.pt"))[:-keep]:  # only after the new one exists
+            old.unlink()
     dist.barrier()  # nobody reads or moves on before the file is complete
 
 
@@ -354,7 +358,8 @@ def train(args, rank, world, device):
         preempted = report[1].item() > 0  # every rank stops at the same step
         if args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
                               or done == args.steps or preempted):
-            save_checkpoint(args.ckpt_dir, done, ddp, optimizer, scheduler, scaler, rank)
+            save_checkpoint(args.ckpt_dir, done, ddp, optimizer, scheduler, scaler, rank,
+                            args.keep_ckpts)
         if preempted:
             if rank == 0:
                 print(f"SIGTERM: checkpointed step {done} to {args.ckpt_dir}; exiting", flush=True)

@@ -4,9 +4,9 @@
 #   bash 01-ddp-basics/launch_ddp.sh MODE [script arguments...]
 #
 # MODE       what starts the ranks                       settings it reads (environment)
-# single     torchrun on this machine                    NPROC_PER_NODE
+# single     torchrun on this machine                    NPROC_PER_NODE MAX_RESTARTS
 # static     torchrun on each node, fixed master         NNODES NODE_RANK MASTER_ADDR MASTER_PORT
-# c10d       torchrun on each node, c10d rendezvous      NNODES RDZV_ENDPOINT RDZV_ID
+# c10d       torchrun on each node, c10d rendezvous      NNODES RDZV_ENDPOINT RDZV_ID MAX_RESTARTS
 # spawn      python + torch.multiprocessing.spawn        NPROC_PER_NODE
 # srun       SLURM: one task per rank, no torchrun       NPROC_PER_NODE (tasks per node), NNODES
 #
@@ -22,11 +22,16 @@ shift
 SCRIPT=${SCRIPT:-01-ddp-basics/ddp_training.py}
 NPROC_PER_NODE=${NPROC_PER_NODE:-2}   # on GPU nodes: the number of GPUs per node
 NNODES=${NNODES:-1}
+MAX_RESTARTS=${MAX_RESTARTS:-0}       # torchrun restarts all ranks this often after a failure
+# torch >= 2.5 lets the workers share the rendezvous store; after a restart they can then read the
+# previous attempt's addresses and fail to connect (pytorch/pytorch#135712). Give them their own.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 case "$MODE" in
 single)
     # --standalone: a private rendezvous on a free local port; nothing to configure.
-    exec torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" "$SCRIPT" "$@" ;;
+    exec torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" \
+        "$SCRIPT" "$@" ;;
 static)
     # Every node names the same master (node 0's address, a port open between the nodes) and its
     # own rank among the nodes. Ranks are node_rank * nproc_per_node + local_rank.
@@ -38,7 +43,7 @@ c10d)
     # The nodes meet at a rendezvous server (hosted by the first agent to reach the endpoint) and
     # are given their ranks; a restarted or replaced node can rejoin (elastic training).
     exec torchrun --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
-        --rdzv_backend=c10d --rdzv_endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT host:port}" \
+        --max-restarts="$MAX_RESTARTS" --rdzv_backend=c10d --rdzv_endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT host:port}" \
         --rdzv_id="${RDZV_ID:-ddp-job}" "$SCRIPT" "$@" ;;
 spawn)
     # No launcher: the script starts its ranks with torch.multiprocessing.spawn (one node only).

@@ -263,6 +263,119 @@ def run_readme_command(command: str, *, timeout: float = 180, env: dict | None =
 
 
 # --------------------------------------------------------------------------------------------------
+# SLURM: a one-node cluster of the distribution's slurm-wlm, started in a temporary directory
+
+SLURM_CONF_TEMPLATE = """\
+ClusterName=course-tests
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/none
+CredType=cred/none
+# A requeued job waits cred_expire seconds (default 120) before it may start again.
+AuthInfo=cred_expire=5
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SlurmUser={user}
+SlurmdUser={user}
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+ReturnToService=2
+SlurmdParameters=config_overrides
+KillWait=10
+MinJobAge=600
+NodeName={host} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+
+@dataclass
+class Slurm:
+    """A running one-node cluster: `env` points clients (sbatch, srun, squeue...) at it."""
+    conf: Path
+    dir: Path
+    env: dict
+
+    def run(self, cmd: list, *, timeout: float = 240, check: bool = True,
+            env: dict | None = None) -> Result:
+        return launch(cmd, timeout=timeout, env={**self.env, **(env or {})}, check=check)
+
+    def query(self, *cmd) -> str:
+        return subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
+                              env=base_env(self.env), timeout=30).stdout.strip()
+
+    def job_state(self, job_id: str) -> str:
+        """PENDING / RUNNING / COMPLETED / FAILED / ... ('' if unknown)."""
+        out = self.query("scontrol", "show", "job", job_id)
+        match = re.search(r"JobState=(\w+)", out)
+        return match.group(1) if match else ""
+
+    def wait_for(self, predicate, *, timeout: float, what: str, interval: float = 0.5):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(interval)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n"
+                             f"{(self.dir / 'slurmctld.log').read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """Start slurmctld + slurmd (auth/none, proctrack/linuxproc) for the whole session.
+
+    Skipped, with the reason, where SLURM is not installed; .ci/run installs slurm-wlm so that CI
+    runs these tests.
+    """
+    import getpass
+    import shutil
+    missing = [t for t in ("slurmctld", "slurmd", "sbatch", "srun", "scontrol")
+               if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed (missing {', '.join(missing)}): "
+                    "apt-get install slurm-wlm (.ci/run does)")
+    d = tmp_path_factory.mktemp("slurm")
+    (d / "state").mkdir()
+    (d / "spool").mkdir()
+    host = socket.gethostname().split(".")[0]
+    conf = d / "slurm.conf"
+    conf.write_text(SLURM_CONF_TEMPLATE.format(host=host, user=getpass.getuser(), dir=d,
+                                               ctld_port=free_port(), slurmd_port=free_port()))
+    env = {"SLURM_CONF": str(conf)}
+    daemons = [subprocess.Popen(cmd, env=base_env(env), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+               for cmd in (["slurmctld", "-D", "-i"], ["slurmd", "-D"])]
+    cluster = Slurm(conf, d, env)
+    try:
+        cluster.wait_for(lambda: cluster.query("sinfo", "-h", "-o", "%T") == "idle",
+                         timeout=60, what="the SLURM node to become idle")
+        yield cluster
+    finally:
+        subprocess.run(["scancel", "--full", f"--user={getpass.getuser()}"], env=base_env(env),
+                       capture_output=True, timeout=30, check=False)
+        for proc in daemons:
+            proc.terminate()
+        for proc in daemons:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+
+
+# --------------------------------------------------------------------------------------------------
 # Fixtures
 
 
