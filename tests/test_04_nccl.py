@@ -13,15 +13,7 @@ import re
 
 import pytest
 import torch
-from conftest import (
-    REPO,
-    assert_bad_input,
-    read_json,
-    readme_commands,
-    run_python,
-    run_readme_command,
-    run_torchrun,
-)
+from conftest import REPO, read_json, readme_commands, run_readme_command, run_torchrun
 
 LESSON = REPO / "04-nccl-operations"
 WORLDS = (2, 3, 4)
@@ -189,10 +181,17 @@ def test_link_table_in_script_matches_readme():
         assert abs(table[name][1] - spec * fraction) < 0.05 + 1e-9, name
 
 
-def test_bad_input_is_one_line_and_exit_2():
-    result = run_python("04-nccl-operations/bandwidth_test.py", "--sizes", "4K,12Q",
-                        check=False, timeout=60)
-    assert_bad_input(result, r"^error: cannot read the size '12Q'")
+def test_bad_input_is_one_line_and_exit_2(world):
+    _, result, _, _ = world
+    expected = {"--sizes": r"cannot read the size '12Q'", "--ops": r"--ops: unknown all_sum",
+                "--link": r"--link 'nvlink9' is not in the table", "--iters": r"--iters must be",
+                "--numel": r"--numel must be >= 1", "--timeout-s": r"--timeout-s must be positive"}
+    assert len(result["bad_inputs"]) == len(expected)
+    for case in result["bad_inputs"]:
+        # DESIGN 2.10: exit status 2 and exactly one line on stderr, naming the problem.
+        lines = case["stderr"].splitlines()
+        assert case["exit"] == 2 and len(lines) == 1, case
+        assert re.match(r"\[rank \d\] error: " + expected[case["argv"][0]], lines[0]), case
 
 
 # --------------------------------------------------------------------------------------------------

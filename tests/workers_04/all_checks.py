@@ -12,12 +12,15 @@ group and calls, with it:
   reference, over numel x dtype x op, plus a sub-group that excludes rank 0;
 - point_to_point.run_patterns: the p2p patterns;
 - bandwidth_test.run with --json-out and --plot (the script's own output path), and a check
-  that its element-wise checker does count corrupted elements.
+  that its element-wise checker does count corrupted elements;
+- every script's argument checks on bad input (exit status 2 and one stderr line).
 
 Rank 0 writes OUT_DIR/result.json; the test asserts on it.
 """
 
+import contextlib
 import importlib.util
+import io
 import json
 import sys
 from functools import partial
@@ -139,6 +142,25 @@ def input_errors(ra) -> dict:
     return seen
 
 
+def bad_inputs(modules: dict) -> list[dict]:
+    """Each script's argument checks (the same parse_args and fail() as on the command line):
+    exit status and what lands on stderr, without paying a process start-up per case."""
+    cases = [("bandwidth_test", ["--sizes", "4K,12Q"]), ("bandwidth_test", ["--ops", "all_sum"]),
+             ("bandwidth_test", ["--link", "nvlink9"]), ("ring_allreduce", ["--iters", "0"]),
+             ("point_to_point", ["--numel", "0"]), ("collective_ops", ["--timeout-s", "0"])]
+    seen = []
+    for name, argv in cases:
+        err = io.StringIO()
+        code = None
+        with contextlib.redirect_stderr(err):
+            try:
+                modules[name].parse_args(argv)
+            except SystemExit as exc:
+                code = exc.code
+        seen.append({"script": name, "argv": argv, "exit": code, "stderr": err.getvalue()})
+    return seen
+
+
 def wrong_detector(bw, rank: int, world: int) -> dict:
     """Corrupt k elements of a correct all_gather output: count_wrong must report exactly k."""
     count = 4 * world
@@ -155,15 +177,17 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
     try:
-        co, p2p, ra, bw = (load(n) for n in ("collective_ops", "point_to_point",
-                                             "ring_allreduce", "bandwidth_test"))
+        modules = {n: load(n) for n in ("collective_ops", "point_to_point", "ring_allreduce",
+                                        "bandwidth_test")}
+        co, p2p, ra, bw = modules.values()
         result = {"world_size": world,
                   "collectives": co.run_all(rank, world, device),
                   "p2p": p2p.run_patterns(rank, world, 4099, device),
                   "allreduce": allreduce_cases(ra, rank, world),
                   "subgroup": subgroup_case(ra, rank, world),
                   "input_errors": input_errors(ra),
-                  "wrong_detector": wrong_detector(bw, rank, world)}
+                  "wrong_detector": wrong_detector(bw, rank, world),
+                  "bad_inputs": bad_inputs(modules)}
         args = bw.parse_args(["--sizes", "4K,1000003", "--iters", "1", "--warmup", "0",
                               "--json-out", str(out_dir / "bandwidth.json"),
                               "--plot", str(out_dir / "bandwidth.png")])
