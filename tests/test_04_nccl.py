@@ -4,8 +4,8 @@ the hang demo of nccl_debugging.md.
 One torchrun launch per world size (2, 3, 4) runs tests/workers_04/all_checks.py, which calls the
 lesson scripts' own functions on one gloo process group and writes what every rank got; the tests
 below check those numbers against closed forms, numpy and nccl-tests' formulas that they compute
-themselves. The scripts' command lines (process-group set-up, printing, exit status) are run as
-documented by tests/test_readmes.py; the failure demos are run here again to read their messages.
+themselves. Three documented commands (the deadlock, the bandwidth test with --json-out, the hang)
+are run here verbatim to read what they print and write; tests/test_readmes.py runs the others.
 """
 
 import ast
@@ -13,10 +13,28 @@ import re
 
 import pytest
 import torch
-from conftest import REPO, read_json, readme_commands, run_readme_command, run_torchrun
+from conftest import REPO, read_json, readme_mentions, run_readme_command, run_torchrun
 
 LESSON = REPO / "04-nccl-operations"
+README = LESSON / "README.md"
+DEBUGGING = LESSON / "nccl_debugging.md"
 WORLDS = (2, 3, 4)
+
+# Documented commands this file runs verbatim (so test_readmes.py does not run them again).
+DEADLOCK = ("torchrun --nproc_per_node=2 04-nccl-operations/point_to_point.py --deadlock "
+            "--timeout-s 3  # exits 1")
+BANDWIDTH = ("torchrun --nproc_per_node=2 04-nccl-operations/bandwidth_test.py --sizes 4K,1M "
+             "--iters 5 --warmup 1 --json-out runs/bw_world2.json --plot runs/bw_world2.png")
+HANG = ("torchrun --nproc_per_node=2 04-nccl-operations/collective_ops.py --mismatch-demo "
+        "--timeout-s 5  # exits 1")
+
+
+def run_documented(doc, command: str, *outputs: str):
+    """Run a documented command verbatim, after removing the files an earlier run left behind."""
+    assert readme_mentions(doc, command), f"not in {doc}: {command}"
+    for name in outputs:
+        (REPO / name).unlink(missing_ok=True)
+    return run_readme_command(command, timeout=120)  # asserts the documented exit status
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda n: f"world{n}")
@@ -119,15 +137,12 @@ def test_point_to_point_patterns_complete(world):
 
 
 def test_deadlock_demo_ends_with_a_clear_error_inside_its_timeout():
-    readme = LESSON / "README.md"
-    [cmd] = [c for c in readme_commands(readme) if "point_to_point.py --deadlock" in c]
-    timeout_s = float(re.search(r"--timeout-s (\S+)", cmd).group(1))
-    # The launch itself is limited to 120 s: ending by itself (not killed) with exit status 1
-    # (asserted by run_readme_command from the documented `# exits 1`) is "no hang".
-    result = run_readme_command(cmd, timeout=120)
+    # The launch is limited to 120 s: ending by itself (not killed) with the documented exit
+    # status 1 is "no hang"; the message must name the timeout.
+    result = run_documented(README, DEADLOCK)
     assert result.stdout.count("PASS") == 4, f"the four patterns run first\n{result.describe()}"
-    assert re.search(rf"\[rank \d\] error: deadlock: send to rank \d did not complete within "
-                     rf"{timeout_s:g} s", result.stderr), result.describe()
+    assert re.search(r"\[rank \d\] error: deadlock: send to rank \d did not complete within 3 s",
+                     result.stderr), result.describe()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,6 +180,19 @@ def test_bandwidth_rows_follow_nccl_tests(world):
     assert result["wrong_detector"] == {"clean": 0, "corrupted_2": 2}
 
 
+def test_bandwidth_command_line_writes_rows_and_plot():
+    run_documented(README, BANDWIDTH, "runs/bw_world2.json", "runs/bw_world2.png")
+    rows = read_json(REPO / "runs" / "bw_world2.json")
+    assert [(r["op"], r["bytes"]) for r in rows] == [
+        (op, size) for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+                              "all_to_all", "sendrecv") for size in (4096, 1 << 20)]
+    for r in rows:
+        assert r["wrong"] == 0 and r["world_size"] == 2 and r["time_us"] > 0, r
+        torch.testing.assert_close(r["busbw_GBps"] / r["algbw_GBps"],
+                                   nccl_tests_factor(r["op"], 2), rtol=1e-12, atol=0)
+    assert (REPO / "runs" / "bw_world2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_link_table_in_script_matches_readme():
     tree = ast.parse((LESSON / "bandwidth_test.py").read_text())
     consts = {t.id: ast.literal_eval(node.value) for node in tree.body
@@ -199,19 +227,16 @@ def test_bad_input_is_one_line_and_exit_2(world):
 
 
 def test_hang_demo_prints_what_the_doc_says():
-    doc = LESSON / "nccl_debugging.md"
-    [cmd] = [c for c in readme_commands(doc)
-             if "--mismatch-demo" in c and "TORCH_DISTRIBUTED_DEBUG" not in c]
-    quoted = [line.strip() for line in doc.read_text().splitlines()
+    quoted = [line.strip() for line in DEBUGGING.read_text().splitlines()
               if line.startswith("[rank ") and "error: hang:" in line]
     assert quoted, "the doc quotes the error lines of the hang"
-    result = run_readme_command(cmd, timeout=120)  # asserts the documented `# exits N`
+    result = run_documented(DEBUGGING, HANG)
     # Each rank that reaches its timeout prints its line; torchrun may stop the slower rank
     # first, so at least one of the quoted lines must appear, word for word.
     assert any(line in result.stderr for line in quoted), \
         f"none of {quoted} in the output\n{result.describe()}"
     # The py-spy section names the source lines of the two calls: they must still be there.
-    text = doc.read_text()
+    text = DEBUGGING.read_text()
     source = (LESSON / "collective_ops.py").read_text().splitlines()
     for call, line in [("all_reduce", re.search(r"all_reduce` called from line (\d+)", text)),
                        ("broadcast", re.search(r"broadcast` from line (\d+)", text))]:
