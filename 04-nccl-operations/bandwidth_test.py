@@ -1,0 +1,382 @@
+"""Collective bandwidth test: time, algbw and busbw per op and message size, with a correctness
+check of every result, in the manner of nccl-tests - and the answer to "is my number normal?".
+
+Launch (from the repository root):
+    torchrun --nproc_per_node=2 04-nccl-operations/bandwidth_test.py --sizes 4K,1M --iters 5
+    torchrun --nproc_per_node=4 04-nccl-operations/bandwidth_test.py --sizes 64M --json-out bw.json
+    torchrun --nproc_per_node=8 04-nccl-operations/bandwidth_test.py --device cuda --link nvlink4
+    srun -N 2 --ntasks-per-node=8 python 04-nccl-operations/bandwidth_test.py --link ib-ndr
+
+Expected output (the first command, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
+    bandwidth_test | world 2 | device cpu | backend gloo | warmup 1, iters 5 (median)
+    op              dtype          bytes    time_us  algbw_GBps  busbw_GBps  wrong
+    all_reduce      float32         4096     3918.6       0.001       0.001      0
+    all_reduce      float32      1048576     5192.5       0.202       0.202      0
+    all_gather      float32         4096      397.2       0.010       0.005      0
+    ...
+
+Definitions (nccl-tests doc/PERFORMANCE.md): algbw = S / t, with S the bytes of the op's largest
+buffer (the full tensor; for all_gather the gathered output, for reduce_scatter the input, for
+all_to_all one rank's whole send buffer). busbw = algbw x factor, the factor being the share of S
+that the busiest link must carry with an optimal algorithm: all_reduce 2(n-1)/n, all_gather,
+reduce_scatter and all_to_all (n-1)/n, broadcast, reduce and sendrecv 1. busbw is what you
+compare with the link's bandwidth (--link prints the ratio), whatever n is.
+
+Time: each iteration starts after a barrier (and device synchronisation); its time is the slowest
+rank's; the row shows the median over --iters. nccl-tests instead averages back-to-back launches,
+which hides launch latency: expect our small-message times to be higher than theirs.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# torch 2.12 renamed the single-tensor collectives; torch >= 2.6 has the older names.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+       "sendrecv"]
+
+# busbw / algbw per op for n ranks (nccl-tests doc/PERFORMANCE.md, "Summary").
+BUSBW_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,
+}
+
+# Unidirectional bandwidth per GPU (GB/s = 1e9 B/s) of each link from its vendor specification;
+# the same table, with sources, is in 04-nccl-operations/README.md ("Is my number normal?").
+LINKS = {
+    "pcie3": (15.75, "PCIe 3.0 x16"),
+    "pcie4": (31.5, "PCIe 4.0 x16"),
+    "pcie5": (63.0, "PCIe 5.0 x16"),
+    "nvlink2": (150.0, "NVLink 2 (V100 SXM2: 6 links)"),
+    "nvlink3": (300.0, "NVLink 3 (A100 SXM: 12 links)"),
+    "nvlink4": (450.0, "NVLink 4 (H100/H200 SXM: 18 links)"),
+    "nvlink5": (900.0, "NVLink 5 (B200: 18 links)"),
+    "ib-edr": (12.5, "InfiniBand EDR, 100 Gb/s per NIC"),
+    "ib-hdr": (25.0, "InfiniBand HDR, 200 Gb/s per NIC"),
+    "ib-ndr": (50.0, "InfiniBand NDR, 400 Gb/s per NIC"),
+    "ib-xdr": (100.0, "InfiniBand XDR, 800 Gb/s per NIC"),
+    "eth25": (3.125, "Ethernet 25 Gb/s per NIC"),
+    "eth100": (12.5, "Ethernet 100 Gb/s per NIC"),
+    "eth400": (50.0, "Ethernet 400 Gb/s per NIC"),
+}
+# A well-tuned system reaches about 80% of the unidirectional spec at large messages (see the
+# README for the measurements behind this); that is the "realistic peak" --link compares with.
+REALISTIC_FRACTION = 0.80
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
+DEFAULT_SIZES = ",".join(f"{4 ** k * 4}K" for k in range(9))  # 4K, 16K, ..., 256M: x4 steps
+CHECK_BLOCK = 1 << 22  # elements per slice of the correctness check (bounds its memory)
+
+
+def fail(msg: str) -> None:
+    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_size(text: str) -> int:
+    """'4096', '64K', '1M', '2G' -> bytes (binary suffixes: 1K = 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, flags=re.IGNORECASE)
+    if not m or int(m.group(1)) == 0:
+        fail(f"cannot read the size {text!r}: use a positive byte count with an optional K/M/G "
+             "suffix, e.g. --sizes 4096,1M,64M")
+    return int(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
+
+
+def parse_list(text: str, allowed, flag: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in items if s not in allowed]
+    if unknown or not items:
+        fail(f"{flag}: unknown {', '.join(unknown) or '(empty)'}; choose from "
+             f"{', '.join(allowed)}")
+    return items
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = fail
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help="comma-separated message sizes in bytes, K/M/G suffixes allowed")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of: "
+                   + ", ".join(OPS))
+    p.add_argument("--dtypes", default="float32", help="comma-separated subset of: "
+                   + ", ".join(DTYPES))
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per row")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per row")
+    p.add_argument("--link", help="print busbw as %% of this link's realistic peak: "
+                   + ", ".join(LINKS))
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--timeout-s", type=float, default=300, help="collective timeout")
+    p.add_argument("--json-out", type=Path, help="rank 0 writes the rows here (a JSON list)")
+    p.add_argument("--plot", type=Path, help="rank 0 writes a PNG of busbw vs size per op")
+    args = p.parse_args(argv)
+    args.size_list = [parse_size(s) for s in args.sizes.split(",")]
+    args.op_list = parse_list(args.ops, OPS, "--ops")
+    args.dtype_list = parse_list(args.dtypes, list(DTYPES), "--dtypes")
+    if args.link is not None and args.link not in LINKS:
+        fail(f"--link {args.link!r} is not in the table; choose from {', '.join(LINKS)}")
+    if args.iters < 1 or args.warmup < 0 or args.timeout_s <= 0:
+        fail(f"--iters must be >= 1, --warmup >= 0, --timeout-s > 0; got {args.iters}, "
+             f"{args.warmup}, {args.timeout_s}")
+    return args
+
+
+def init_distributed(device_arg: str, timeout_s: float):
+    """(rank, world, device); gloo on CPU, NCCL on CUDA; a one-process group under plain python."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        if "MASTER_ADDR" not in env:  # the first host of the step's allocation
+            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                                 text=True, check=False).stdout.split()
+            env["MASTER_ADDR"] = out[0] if out else nodes
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for, but CUDA is not available on this machine")
+    if device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available()):
+        if local_rank >= torch.cuda.device_count():
+            fail(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in env:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    return rank, world, device
+
+
+# --------------------------------------------------------------------------------------------------
+# Data with a known answer. Element i of rank r's input is p(i, r) = (i + 3r) % 5 - 2, an integer
+# in [-2, 2]: every sum of n of them is exact in float32 for any n, and in bfloat16 (8 significant
+# bits: integers up to 256) for n <= 128, so the check can demand equality, like nccl-tests -c.
+
+
+def pattern(index: torch.Tensor, rank, dtype) -> torch.Tensor:
+    return ((index + 3 * rank) % 5 - 2).to(dtype)
+
+
+def fill(count: int, rank: int, dtype, device) -> torch.Tensor:
+    return pattern(torch.arange(count, device=device), rank, dtype)
+
+
+def expected(op: str, i: torch.Tensor, rank: int, n: int, chunk: int) -> torch.Tensor:
+    """The exact result at output positions `i` on `rank` (as int64; chunk = count / n)."""
+    if op in ("all_reduce", "reduce"):
+        return sum(pattern(i, k, torch.int64) for k in range(n))
+    if op == "broadcast":  # root 0's input
+        return pattern(i, 0, torch.int64)
+    if op == "all_gather":  # block k of the output is rank k's input
+        return pattern(i % chunk, i // chunk, torch.int64)
+    if op == "reduce_scatter":  # this rank's block of the sum
+        return sum(pattern(rank * chunk + i, k, torch.int64) for k in range(n))
+    if op == "all_to_all":  # block j of the output is block `rank` of rank j's input
+        return pattern(rank * chunk + i % chunk, i // chunk, torch.int64)
+    if op == "sendrecv":  # the left neighbour's input
+        return pattern(i, (rank - 1) % n, torch.int64)
+    raise ValueError(op)
+
+
+def count_wrong(op, out, rank, n, chunk) -> int:
+    if op == "reduce" and rank != 0:
+        return 0  # reduce defines the result on the root only
+    wrong = 0
+    for start in range(0, out.numel(), CHECK_BLOCK):
+        part = out[start:start + CHECK_BLOCK]
+        i = torch.arange(start, start + part.numel(), device=out.device)
+        wrong += int((part != expected(op, i, rank, n, chunk).to(out.dtype)).sum())
+    return wrong
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops: buffers of S bytes in total, and one call of the collective on them
+
+
+def make_op(op: str, count: int, rank: int, n: int, dtype, device):
+    """Return (run, out, reset): run() does one collective, out is the buffer to check, reset()
+    refills the inputs (in-place ops such as all_reduce overwrite them). count is a multiple of n.
+    """
+    chunk = count // n
+    if op in ("all_reduce", "broadcast", "reduce"):
+        x = torch.empty(count, dtype=dtype, device=device)
+        run = {"all_reduce": lambda: dist.all_reduce(x),
+               "broadcast": lambda: dist.broadcast(x, src=0),
+               "reduce": lambda: dist.reduce(x, dst=0)}[op]
+        return run, x, lambda: x.copy_(fill(count, rank, dtype, device))
+    if op == "all_gather":  # in: this rank's chunk; out: all n chunks (S bytes)
+        inp = fill(chunk, rank, dtype, device)
+        out = torch.empty(count, dtype=dtype, device=device)
+        return lambda: all_gather_tensor(out, inp), out, lambda: None
+    if op == "reduce_scatter":  # in: S bytes; out: this rank's reduced chunk
+        inp = fill(count, rank, dtype, device)
+        out = torch.empty(chunk, dtype=dtype, device=device)
+        return lambda: reduce_scatter_tensor(out, inp), out, lambda: None
+    if op == "all_to_all":  # in and out: S bytes; chunk j of the input goes to rank j
+        inp = fill(count, rank, dtype, device)
+        out = torch.empty(count, dtype=dtype, device=device)
+        return lambda: dist.all_to_all_single(out, inp), out, lambda: None
+    if op == "sendrecv":  # S bytes to the right neighbour while S bytes come from the left
+        inp = fill(count, rank, dtype, device)
+        out = torch.empty(count, dtype=dtype, device=device)
+
+        def run():
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, (rank + 1) % n),
+                                            dist.P2POp(dist.irecv, out, (rank - 1) % n)])
+            for w in works:
+                w.wait()
+        return run, out, lambda: None
+    raise ValueError(op)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(op, nbytes, dtype_name, args, rank, n, device) -> dict:
+    """One row: median time over --iters (slowest rank per iteration), bandwidths, wrong count."""
+    dtype = DTYPES[dtype_name]
+    esize = torch.tensor([], dtype=dtype).element_size()
+    count = max(nbytes // esize // n, 1) * n  # whole chunks: at least one element per rank
+    run, out, reset = make_op(op, count, rank, n, dtype, device)
+    reset()
+    times = []
+    for it in range(args.warmup + args.iters):
+        sync(device)
+        dist.barrier()  # start together; the barrier is outside the timed region
+        t0 = time.perf_counter()
+        run()
+        sync(device)  # NCCL calls return before the GPU has finished
+        if it >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends when its last rank does
+
+    reset()
+    run()  # one more call on fresh inputs, checked element by element
+    sync(device)
+    wrong = torch.tensor([count_wrong(op, out, rank, n, count // n)], device=device)
+    dist.all_reduce(wrong)  # summed over ranks, like nccl-tests' #wrong
+
+    t = statistics.median(slowest.tolist())
+    total = count * esize
+    algbw = total / t / 1e9
+    return {"op": op, "bytes": total, "dtype": dtype_name, "world_size": n, "time_us": t * 1e6,
+            "algbw_GBps": algbw, "busbw_GBps": algbw * BUSBW_FACTOR[op](n), "wrong": int(wrong),
+            "backend": dist.get_backend(), "device": device.type}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = init_distributed(args.device, args.timeout_s)
+    try:
+        rows = run(args, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+    if any(row["wrong"] for row in rows):
+        sys.exit(1)
+
+
+def run(args, rank, world, device) -> list[dict]:
+    ops = list(args.op_list)
+    if world == 1 and "sendrecv" in ops and device.type == "cpu":
+        ops.remove("sendrecv")  # gloo cannot send to itself (NCCL can: a copy on the GPU)
+        if rank == 0:
+            print("note: sendrecv skipped: gloo cannot send to its own rank at world size 1")
+    if rank == 0:
+        print(f"bandwidth_test | world {world} | device {device} | backend {dist.get_backend()} "
+              f"| warmup {args.warmup}, iters {args.iters} (median)", flush=True)
+        link = f"  % of {args.link} ({realistic(args.link):g} GB/s)" if args.link else ""
+        print(f"{'op':<15} {'dtype':<9} {'bytes':>10} {'time_us':>10} {'algbw_GBps':>11} "
+              f"{'busbw_GBps':>11} {'wrong':>6}{link}", flush=True)
+    rows = []
+    for dtype_name in args.dtype_list:
+        for op in ops:
+            for nbytes in args.size_list:
+                row = measure(op, nbytes, dtype_name, args, rank, world, device)
+                rows.append(row)
+                if rank == 0:
+                    pct = (f"  {100 * row['busbw_GBps'] / realistic(args.link):6.1f}%"
+                           if args.link else "")
+                    print(f"{op:<15} {dtype_name:<9} {row['bytes']:>10} {row['time_us']:>10.1f} "
+                          f"{row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f} "
+                          f"{row['wrong']:>6}{pct}", flush=True)
+    if rank == 0:
+        if any(row["wrong"] for row in rows):
+            print("FAIL: some results are wrong (column 'wrong')", file=sys.stderr, flush=True)
+        if args.json_out:
+            write_atomic(args.json_out, json.dumps(rows, indent=1).encode())
+        if args.plot:
+            plot(rows, args.plot, world, device)
+    dist.barrier()  # files are complete before any rank exits
+    return rows
+
+
+def realistic(link: str) -> float:
+    return LINKS[link][0] * REALISTIC_FRACTION
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def plot(rows, path: Path, world: int, device) -> None:
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in dict.fromkeys((r["op"], r["dtype"]) for r in rows):
+        mine = [r for r in rows if (r["op"], r["dtype"]) == key]
+        label = key[0] if len({r["dtype"] for r in rows}) == 1 else f"{key[0]} ({key[1]})"
+        ax.plot([r["bytes"] for r in mine], [r["busbw_GBps"] for r in mine], marker="o",
+                label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"busbw vs size, {world} ranks, {device.type}, {rows[0]['backend']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""Every collective once, with inputs you can predict and the expected result in closed form.
+
+Launch (from the repository root):
+    python 04-nccl-operations/collective_ops.py                          # 1 process: n = 1
+    torchrun --nproc_per_node=4 04-nccl-operations/collective_ops.py     # any n from 1 to 8 on CPU
+    torchrun --nproc_per_node=8 04-nccl-operations/collective_ops.py --device cuda
+    torchrun --nproc_per_node=2 04-nccl-operations/collective_ops.py --mismatch-demo --timeout-s 5
+
+Expected output (torchrun --nproc_per_node=4, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
+    collective_ops | world 4 | device cpu | backend gloo
+    op                      input on rank r             expected on rank r     rank 0 got       test
+    broadcast(src=n-1)      [r, r]                      [n-1, n-1]             [3, 3]           PASS
+    reduce(SUM, dst=0)      [r+1]                       r=0: [n(n+1)/2]        [10]             PASS
+    ...
+    all_to_all              x[j] = 10r + j, j < n       y[k] = 10k + r         [0, 10, 20, 30]  PASS
+    ...
+    all 12 collectives match their closed form on every rank
+
+Each row runs one collective on every rank r of n with a rank-dependent input, and every rank
+compares its own result with the closed form; PASS means all n ranks matched. The values are
+small integers stored as float32, so the comparison is exact. The script exits 1 if any row fails.
+
+--mismatch-demo reproduces the most common hang (nccl_debugging.md walks through it): rank 0
+enters an all_reduce the other ranks never call, and everybody waits until --timeout-s.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# torch 2.12 renamed the single-tensor collectives; torch >= 2.6 has the older names.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def fail(msg: str) -> None:
+    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = fail
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
+    p.add_argument("--json-out", type=Path, help="rank 0 writes every rank's results here")
+    p.add_argument("--mismatch-demo", action="store_true",
+                   help="hang on purpose: rank 0 calls an all_reduce the others skip")
+    args = p.parse_args(argv)
+    if args.timeout_s <= 0:
+        fail(f"--timeout-s must be positive, got {args.timeout_s}")
+    return args
+
+
+def init_distributed(device_arg: str, timeout_s: float):
+    """(rank, world, device); gloo on CPU, NCCL on CUDA; a one-process group under plain python."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        if "MASTER_ADDR" not in env:  # the first host of the step's allocation
+            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                                 text=True, check=False).stdout.split()
+            env["MASTER_ADDR"] = out[0] if out else nodes
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for, but CUDA is not available on this machine")
+    if device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available()):
+        if local_rank >= torch.cuda.device_count():
+            fail(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in env:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    return rank, world, device
+
+
+# --------------------------------------------------------------------------------------------------
+# The collectives. Each function runs on every rank r of n and returns (result on this rank,
+# expected result on this rank); expected is None where the collective defines no result (the
+# non-root ranks of reduce and gather).
+
+
+def vec(values, device):
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def broadcast(r, n, dev):
+    x = vec([r, r], dev)
+    dist.broadcast(x, src=n - 1)  # the last rank's tensor overwrites everybody's
+    return x, vec([n - 1, n - 1], dev)
+
+
+def reduce(r, n, dev):
+    x = vec([r + 1], dev)
+    dist.reduce(x, dst=0, op=dist.ReduceOp.SUM)  # only rank 0's tensor is defined afterwards
+    return x, vec([n * (n + 1) / 2], dev) if r == 0 else None
+
+
+def all_reduce_sum(r, n, dev):
+    x = vec([r + 1, 1], dev)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x, vec([n * (n + 1) / 2, n], dev)
+
+
+def all_reduce_avg(r, n, dev):
+    x = vec([r + 1], dev)
+    try:
+        dist.all_reduce(x, op=dist.ReduceOp.AVG)  # NCCL >= 2.10; gloo since torch 2.7
+    except (RuntimeError, ValueError):  # refused locally, on every rank, before any traffic
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        x /= n
+    return x, vec([(n + 1) / 2], dev)
+
+
+def all_reduce_max(r, n, dev):
+    x = vec([r, -r], dev)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)  # element-wise: [max r, max -r]
+    return x, vec([n - 1, 0], dev)
+
+
+def all_gather(r, n, dev):
+    out = torch.empty(n, device=dev)
+    all_gather_tensor(out, vec([r], dev))  # out[k] = rank k's input, on every rank
+    return out, vec(list(range(n)), dev)
+
+
+def reduce_scatter(r, n, dev):
+    x = vec([r + j for j in range(n)], dev)  # element j is destined for rank j
+    out = torch.empty(1, device=dev)
+    reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM)  # rank r gets sum over k of x_k[r]
+    return out, vec([n * r + n * (n - 1) / 2], dev)
+
+
+def all_to_all(r, n, dev):
+    x = vec([10 * r + j for j in range(n)], dev)  # element j goes to rank j
+    out = torch.empty(n, device=dev)
+    dist.all_to_all_single(out, x)  # out[k] = rank k's element r: a transpose across ranks
+    return out, vec([10 * k + r for k in range(n)], dev)
+
+
+def gather(r, n, dev):
+    outs = [torch.empty(1, device=dev) for _ in range(n)] if r == 0 else None
+    dist.gather(vec([r], dev), gather_list=outs, dst=0)
+    return (torch.cat(outs), vec(list(range(n)), dev)) if r == 0 else (vec([], dev), None)
+
+
+def scatter(r, n, dev):
+    pieces = [vec([10 * k], dev) for k in range(n)] if r == 0 else None
+    out = torch.empty(1, device=dev)
+    dist.scatter(out, scatter_list=pieces, src=0)  # rank k receives piece k of rank 0
+    return out, vec([10 * r], dev)
+
+
+def barrier(r, n, dev):
+    """The last rank arrives 0.2 s late; nobody may leave before it has arrived.
+
+    Result [1] when every rank left after the last arrival, by this host's wall clock gathered
+    from every rank. Clocks of different hosts differ by their NTP skew, so departures up to 0.1 s
+    "before" the arrival are accepted: half the delay, while a barrier that did not wait would
+    let the other ranks leave about 0.2 s early.
+    """
+    if r == n - 1:
+        time.sleep(0.2)
+    arrive = time.time()
+    dist.barrier()
+    leave = time.time()
+    times = torch.zeros(n, 2, dtype=torch.float64, device=dev)
+    times[r, 0], times[r, 1] = arrive, leave
+    dist.all_reduce(times)  # every rank learns every rank's (arrive, leave)
+    nobody_early = times[:, 1].min() >= times[:, 0].max() - 0.1
+    return vec([float(nobody_early)], dev), vec([1], dev)
+
+
+def all_reduce_async(r, n, dev):
+    x = vec([r + 1], dev)
+    work = dist.all_reduce(x, async_op=True)  # returns at once; the reduction runs meanwhile
+    torch.arange(1000.0, device=dev).sum()  # independent work, overlapping the communication
+    work.wait()  # x is only valid after wait() (on CUDA: the current stream waits for it)
+    return x, vec([n * (n + 1) / 2], dev)
+
+
+# (label, function, input on rank r, expected on rank r): the table, in the order it is run.
+COLLECTIVES = [
+    ("broadcast(src=n-1)", broadcast, "[r, r]", "[n-1, n-1]"),
+    ("reduce(SUM, dst=0)", reduce, "[r+1]", "r=0: [n(n+1)/2]"),
+    ("all_reduce(SUM)", all_reduce_sum, "[r+1, 1]", "[n(n+1)/2, n]"),
+    ("all_reduce(AVG)", all_reduce_avg, "[r+1]", "[(n+1)/2]"),
+    ("all_reduce(MAX)", all_reduce_max, "[r, -r]", "[n-1, 0]"),
+    ("all_gather", all_gather, "[r]", "[0, 1, ..., n-1]"),
+    ("reduce_scatter(SUM)", reduce_scatter, "x[j] = r + j, j < n", "[n*r + n(n-1)/2]"),
+    ("all_to_all", all_to_all, "x[j] = 10r + j, j < n", "y[k] = 10k + r"),
+    ("gather(dst=0)", gather, "[r]", "r=0: [0, 1, ..., n-1]"),
+    ("scatter(src=0)", scatter, "r=0: [0, 10, ..., 10(n-1)]", "[10r]"),
+    ("barrier", barrier, "r=n-1 arrives 0.2 s late", "[1]: none left early"),
+    ("all_reduce(async)+wait", all_reduce_async, "[r+1]", "[n(n+1)/2]"),
+]
+
+
+def run_all(rank, world, device) -> list[dict]:
+    """Run every collective; return one row per collective with every rank's result."""
+    local = []
+    for _, fn, _, _ in COLLECTIVES:
+        got, want = fn(rank, world, device)
+        ok = want is None or torch.equal(got, want)
+        local.append({"got": got.tolist(), "want": None if want is None else want.tolist(),
+                      "ok": ok})
+    everyone = [None] * world
+    dist.all_gather_object(everyone, local)  # rank k's list of rows -> every rank
+    rows = []
+    for i, (label, _, inp, exp) in enumerate(COLLECTIVES):
+        rows.append({"op": label, "input": inp, "expected": exp, "world_size": world,
+                     "results": [everyone[k][i]["got"] for k in range(world)],
+                     "expected_values": [everyone[k][i]["want"] for k in range(world)],
+                     "pass": all(everyone[k][i]["ok"] for k in range(world))})
+    return rows
+
+
+def fmt(values) -> str:
+    return "[" + ", ".join(f"{v:g}" for v in values) + "]"
+
+
+# --------------------------------------------------------------------------------------------------
+# A reproducible hang: ranks that do not run the same collectives in the same order
+
+
+def say(line: str) -> None:
+    """One stderr line in one write, so lines of ranks sharing a terminal do not interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def mismatch_demo(rank, world, device, timeout_s) -> None:
+    """Rank 0 averages a metric for its log line; the other ranks go straight on to the broadcast
+    of the next step. Rank 0 waits in all_reduce, the others in broadcast: nobody can finish."""
+    calling = "all_reduce"
+    try:
+        loss = vec([rank], device)
+        if rank == 0:  # BUG: a collective inside a rank-0-only branch
+            dist.all_reduce(loss)
+            print(f"mean loss {loss.item() / world:.3f}", flush=True)
+        calling = "broadcast"
+        weights = torch.zeros(4, device=device)
+        dist.broadcast(weights, src=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # NCCL is asynchronous: the hang shows up here
+    except RuntimeError as exc:
+        msg = str(exc)
+        fingerprints = re.findall(r"Rank (\d+) is running collective: .*?OpType=(\w+)", msg)
+        if fingerprints:  # TORCH_DISTRIBUTED_DEBUG=DETAIL compared the ranks' collectives
+            detail = ", ".join(f"rank {k} runs {op}" for k, op in sorted(set(fingerprints)))
+            say(f"[rank {rank}] error: collective mismatch detected: {detail}")
+        else:  # a plain timeout: the backend's own words, without its source-file prefix
+            reason = re.sub(r"^\[[^\]]*\]\s*", "", msg.strip().splitlines()[0])
+            say(f"[rank {rank}] error: hang: {calling} did not complete within {timeout_s:g} s "
+                f"({reason}); see 04-nccl-operations/nccl_debugging.md")
+        sys.exit(1)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = init_distributed(args.device, args.timeout_s)
+    try:
+        if args.mismatch_demo:
+            if world < 2:
+                fail("--mismatch-demo needs at least 2 ranks: torchrun --nproc_per_node=2 ...")
+            mismatch_demo(rank, world, device, args.timeout_s)
+            return
+        rows = run_all(rank, world, device)
+        report(args, rank, world, device, rows)
+    finally:
+        dist.destroy_process_group()
+    if not all(row["pass"] for row in rows):
+        sys.exit(1)
+
+
+def report(args, rank, world, device, rows) -> None:
+    if rank != 0:
+        return
+    print(f"collective_ops | world {world} | device {device} | backend {dist.get_backend()}")
+    table = [("op", "input on rank r", "expected on rank r", "rank 0 got", "test")] + [
+        (row["op"], row["input"], row["expected"], fmt(row["results"][0]),
+         "PASS" if row["pass"] else "FAIL") for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(5)]
+    for line in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+    failed = [row["op"] for row in rows if not row["pass"]]
+    print(f"FAIL: {', '.join(failed)}" if failed else
+          f"all {len(rows)} collectives match their closed form on every rank", flush=True)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json_out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows, indent=1))
+        os.replace(tmp, args.json_out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,477 @@
+"""Ring all-reduce by hand, beside the naive algorithm and the library's dist.all_reduce.
+
+Launch (from the repository root):
+    torchrun --nproc_per_node=2 04-nccl-operations/ring_allreduce.py     # checks, then timings
+    torchrun --nproc_per_node=4 04-nccl-operations/ring_allreduce.py --sizes 64M --iters 10
+    torchrun --nproc_per_node=8 04-nccl-operations/ring_allreduce.py --device cuda --sizes 256M
+
+Expected output (the first command, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
+    ring_allreduce | world 2 | device cpu | backend gloo | float32 | ring segments of 4M
+    max |error| / rounding bound, worst rank (<= 1 passes):
+    check   numel   op          library             ring ring_unpipelined            naive
+    PASS        1  sum            0.000            0.000            0.000            0.000
+    ...
+    PASS    65536  avg            0.500            0.500            0.500            0.500
+
+    time (ms), median of 5; busbw of the ring in GB/s
+      size          library             ring ring_unpipelined            naive  ring/library  ...
+        4K            5.327            1.026            0.730            0.349          0.19  ...
+    ...
+(Small-message times on a shared CPU swing by several x between runs; see the README for the
+64 MiB comparison, repeated.)
+
+The ring is the bandwidth-optimal all-reduce (Patarasuk & Yuan, 2009) that gloo runs, and NCCL too
+for large messages. The n ranks form a ring: rank r sends to r+1 and receives from r-1. The tensor
+is cut into n chunks c0..c(n-1), of unequal size when n does not divide numel:
+
+    reduce-scatter, n-1 steps: at step s rank r sends chunk (r - s) and receives chunk (r - s - 1),
+        which it adds to its own copy. After n-1 steps rank r holds chunk (r + 1) fully reduced.
+    all-gather, n-1 steps: at step s rank r sends chunk (r + 1 - s), which is final, and receives
+        chunk (r - s) straight into place.
+
+    n = 3, after the reduce-scatter ("abc" = a+b+c of that chunk):
+        rank 0: [ c0, c1=abc, c2 ]   rank 1: [ c0, c1, c2=abc ]   rank 2: [ c0=abc, c1, c2 ]
+
+Every step each rank sends one chunk and receives one chunk at the same time, so every link of the
+ring is busy in both phases. Each rank sends 2(n-1) chunks of S/n bytes: 2(n-1)/n * S in total,
+which tends to 2S whatever n is - this is why a ring's bandwidth does not fall as ranks are added,
+and where nccl-tests' bus-bandwidth factor 2(n-1)/n comes from. The naive algorithm (send all to
+rank 0, add, send the result back) makes rank 0 receive and send (n-1) * S: its link is the
+bottleneck and the time grows linearly with n.
+
+Pipelining. A reduce-scatter step receives a chunk and then adds it; done whole, the link idles
+during the add and the add waits for the link. Cutting the chunk into segments (--segment, 4 MiB)
+lets segment k+1 travel while segment k is added, as gloo does with 1 MiB segments. At 64 MiB on
+2 CPU ranks this was the difference between 1.29-1.52x and 0.83-1.07x the time of dist.all_reduce
+(README: "How close is the hand ring to gloo?").
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------------
+# The algorithms: both reduce `tensor` in place on every rank of `group` and return it
+
+
+def chunk_bounds(numel: int, n: int) -> list[int]:
+    """Offsets of n chunks covering numel elements: the first numel % n chunks get one extra.
+
+    chunk i is [bounds[i], bounds[i+1]); e.g. numel 10, n 4 -> sizes 3, 3, 2, 2. When numel < n
+    some chunks are empty, and the ring simply skips sending and receiving them.
+    """
+    base, extra = divmod(numel, n)
+    bounds = [0]
+    for i in range(n):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def _check(tensor: torch.Tensor, op: str) -> None:
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"expected a floating-point tensor, got {tensor.dtype}")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous: the chunks are views of its storage")
+
+
+def _exchange(send: torch.Tensor, right: int, recv: torch.Tensor, left: int, group) -> None:
+    """Send `send` to `right` while receiving `recv` from `left`; return when both are done.
+
+    batch_isend_irecv posts both before waiting. Two blocking calls (send, then recv) would
+    deadlock: every rank would sit in send() waiting for a receiver that is itself sending. On
+    NCCL the batch also becomes one fused group launch. Empty chunks (numel < n) are skipped on
+    both sides: sender and receiver compute the same chunk sizes, so they agree on what is skipped.
+    """
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, right, group))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, left, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _ring_peers(group):
+    """(rank in group, group size, global rank of the right neighbour, of the left one)."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    # p2p calls name peers by their global rank; inside a sub-group these differ from r +- 1.
+    glob = (lambda g: g) if group is None else (lambda g: dist.get_global_rank(group, g))
+    return r, n, glob((r + 1) % n), glob((r - 1) % n)
+
+
+def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
+                    segment_bytes: int = 4 << 20) -> torch.Tensor:
+    """All-reduce `tensor` in place with the ring algorithm (reduce-scatter, then all-gather).
+
+    segment_bytes: each reduce-scatter step is cut into segments of at most this size and
+    pipelined: segment k+1 travels while segment k is being added (see `_send_and_accumulate`).
+    0 turns pipelining off: the whole chunk is exchanged, then added.
+    """
+    _check(tensor, op)
+    r, n, right, left = _ring_peers(group)
+    if n == 1 or tensor.numel() == 0:
+        return tensor
+    flat = tensor.view(-1)  # a view: every chunk below writes into `tensor` itself
+    bounds = chunk_bounds(flat.numel(), n)
+
+    def chunk(i):
+        i %= n
+        return flat[bounds[i]:bounds[i + 1]]
+
+    largest = bounds[1] - bounds[0]  # chunk 0 is never smaller than any other
+    seg = min(largest, max(segment_bytes // flat.element_size(), 1)) if segment_bytes else largest
+    # Two receive buffers of one segment each: one is being filled while the other is added.
+    bufs = torch.empty(2, max(seg, 1), dtype=flat.dtype, device=flat.device)
+
+    # Phase 1, reduce-scatter: n-1 steps; at step s send chunk r-s, receive chunk r-s-1 and add.
+    for s in range(n - 1):
+        _send_and_accumulate(chunk(r - s), right, chunk(r - s - 1), left, bufs, seg, group)
+
+    if op == "avg":  # divide the one chunk this rank owns: each element is divided exactly once
+        chunk(r + 1).div_(n)
+
+    # Phase 2, all-gather: n-1 steps; at step s send the finished chunk r+1-s, receive chunk r-s
+    # directly into place (no buffer, no add).
+    for s in range(n - 1):
+        _exchange(chunk(r + 1 - s), right, chunk(r - s), left, group)
+    return tensor
+
+
+def _send_and_accumulate(send, right, mine, left, bufs, seg, group) -> None:
+    """One reduce-scatter step: send `send` to the right neighbour; receive the left neighbour's
+    partial sum of `mine` and add it in - segment by segment, with one segment in flight while
+    the previous one is added:
+
+        time ->   recv seg 0 | recv seg 1 | recv seg 2 |
+                             | add  seg 0 | add  seg 1 | add seg 2
+
+    Without this the add (a pass over 3 x chunk bytes of memory) waits for the whole chunk and
+    the link then idles while the add runs; gloo does the same with 1 MiB segments. The sender
+    and its receiver cut the same chunk with the same `seg`, so their segments match one to one.
+    """
+    send_segs = send.split(seg) if send.numel() else ()  # an empty chunk sends nothing
+    mine_segs = mine.split(seg) if mine.numel() else ()
+    pending = None  # (works, segment of `mine`, buffer) received but not yet added
+    for k in range(max(len(send_segs), len(mine_segs))):
+        ops = []
+        if k < len(send_segs):
+            ops.append(dist.P2POp(dist.isend, send_segs[k], right, group))
+        if k < len(mine_segs):
+            buf = bufs[k % 2][:mine_segs[k].numel()]
+            ops.append(dist.P2POp(dist.irecv, buf, left, group))
+        works = dist.batch_isend_irecv(ops)  # segment k is now in flight ...
+        if pending is not None:  # ... while segment k-1 is added
+            _wait_and_add(*pending)
+        pending = (works, mine_segs[k], buf) if k < len(mine_segs) else None
+        if pending is None:  # nothing to receive this round: just finish the send
+            for w in works:
+                w.wait()
+    if pending is not None:
+        _wait_and_add(*pending)
+
+
+def _wait_and_add(works, target, buf) -> None:
+    for w in works:
+        w.wait()
+    target.add_(buf)  # the partial sum of this segment now includes one more rank
+
+
+def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """All-reduce `tensor` in place the naive way: everything to rank 0, add, send back.
+
+    Rank 0 receives n-1 full tensors one after another and then sends n-1 full tensors: its
+    link carries 2(n-1) * S bytes, against 2(n-1)/n * S per rank for the ring.
+    """
+    _check(tensor, op)
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if n == 1:
+        return tensor
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+    if r == 0:
+        buf = torch.empty_like(tensor)
+        for peer in range(1, n):  # one full tensor from every rank, in turn
+            dist.recv(buf, src=peer if group is None else dist.get_global_rank(group, peer),
+                      group=group)
+            tensor.add_(buf)
+        if op == "avg":
+            tensor.div_(n)
+        sends = [dist.isend(tensor, dst=p if group is None else dist.get_global_rank(group, p),
+                            group=group) for p in range(1, n)]
+        for work in sends:  # the result goes back to every rank: n-1 more full tensors
+            work.wait()
+    else:
+        dist.send(tensor, dst=root, group=group)
+        dist.recv(tensor, src=root, group=group)
+    return tensor
+
+
+def library_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """dist.all_reduce with the same interface (gloo and NCCL pick their own algorithm)."""
+    if op == "sum":
+        dist.all_reduce(tensor, group=group)
+        return tensor
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+    except (RuntimeError, ValueError):  # gloo before torch 2.7 has no AVG (checked before sending)
+        dist.all_reduce(tensor, group=group)
+        tensor.div_(dist.get_world_size(group))
+    return tensor
+
+
+def ring_all_reduce_unpipelined(tensor: torch.Tensor, op: str = "sum", group=None):
+    """The same ring with whole-chunk steps: exchange the chunk, then add it (no overlap)."""
+    return ring_all_reduce(tensor, op, group, segment_bytes=0)
+
+
+ALGORITHMS = {"library": library_all_reduce, "ring": ring_all_reduce,
+              "ring_unpipelined": ring_all_reduce_unpipelined, "naive": naive_all_reduce}
+
+
+# --------------------------------------------------------------------------------------------------
+# Script: check the three against each other, then time them
+
+
+def fail(msg: str) -> None:
+    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_size(text: str) -> int:
+    """'4096', '64K', '1M', '2G' -> bytes (binary suffixes: 1K = 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        fail(f"cannot read the size {text!r}: use a byte count with an optional K/M/G suffix")
+    return int(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = fail
+    p.add_argument("--sizes", default="4K,256K,4M",
+                   help="comma-separated message sizes in bytes (K/M/G suffixes) to time")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--segment", default="4M",
+                   help="pipeline segment of the ring's reduce-scatter (bytes, K/M suffixes); "
+                        "0: no pipelining")
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions per size")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
+    p.add_argument("--json-out", type=Path, help="rank 0 writes the check and timing rows here")
+    args = p.parse_args(argv)
+    args.size_list = [parse_size(s) for s in args.sizes.split(",")]
+    args.segment = parse_size(args.segment)
+    if args.iters < 1 or args.warmup < 0 or args.timeout_s <= 0:
+        fail(f"--iters must be >= 1, --warmup >= 0, --timeout-s > 0; got {args.iters}, "
+             f"{args.warmup}, {args.timeout_s}")
+    return args
+
+
+def init_distributed(device_arg: str, timeout_s: float):
+    """(rank, world, device); gloo on CPU, NCCL on CUDA; a one-process group under plain python."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        if "MASTER_ADDR" not in env:  # the first host of the step's allocation
+            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                                 text=True, check=False).stdout.split()
+            env["MASTER_ADDR"] = out[0] if out else nodes
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for, but CUDA is not available on this machine")
+    if device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available()):
+        if local_rank >= torch.cuda.device_count():
+            fail(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in env:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    return rank, world, device
+
+
+def rank_input(numel: int, rank: int, seed: int, dtype, device) -> torch.Tensor:
+    """The input of `rank`: any rank can rebuild any other rank's input (to check the result)."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype).to(device)
+
+
+def compensated_sum(rows: torch.Tensor) -> torch.Tensor:
+    """Sum of float64 rows with Neumaier's compensation: error <= u|S| + O(n^2 u^2) sum|x|, so
+    even float64 inputs get a reference that is (almost) exactly rounded."""
+    s, c = rows[0].clone(), torch.zeros_like(rows[0])
+    for v in rows[1:]:
+        t = s + v
+        c += torch.where(s.abs() >= v.abs(), (s - t) + v, (v - t) + s)  # what t lost
+        s = t
+    return s + c
+
+
+def check_case(fn, numel: int, op: str, dtype, world: int, rank: int, seed: int, device):
+    """Run one algorithm on one case; return (max |result - reference| / bound, reduced in place).
+
+    reference: the sum (or mean) of every rank's input, in float64 with compensation. bound:
+    gamma_n * sum_r |x_r| with gamma_n = n*u / (1 - n*u), u the unit roundoff of dtype - the
+    worst case of n-1 additions in any order plus the division of avg (Higham, "Accuracy and
+    Stability of Numerical Algorithms", 2nd ed., eq. 4.4) - plus 3 float64 roundoffs for the
+    reference itself. A value <= 1 is correct; a misplaced chunk or a missing rank is far above.
+    """
+    inputs = torch.stack([rank_input(numel, r, seed, dtype, "cpu").double() for r in range(world)])
+    reference, magnitude = compensated_sum(inputs), inputs.abs().sum(0)
+    if op == "avg":
+        reference, magnitude = reference / world, magnitude / world
+    u = torch.finfo(dtype).eps / 2
+    gamma = world * u / (1 - world * u)
+    bound = (gamma + 3 * 2.0 ** -53) * magnitude + torch.finfo(torch.float64).tiny
+
+    x = rank_input(numel, rank, seed, dtype, device)
+    storage = x.data_ptr()
+    out = fn(x, op=op)
+    in_place = out is x and x.data_ptr() == storage
+    err = (out.double().cpu() - reference).abs() / bound
+    return err.max().item(), in_place
+
+
+def time_algorithms(algos: dict, numel: int, dtype, args, device) -> dict[str, float]:
+    """Median over iterations of the slowest rank's time, per algorithm, in microseconds.
+
+    The algorithms are interleaved within each iteration (library, ring, naive, library, ...) so
+    that load from other jobs on a shared machine falls on all three alike.
+    """
+    source = rank_input(numel, dist.get_rank(), args.seed, dtype, device)
+    work = torch.empty_like(source)
+    times = {name: [] for name in algos}
+    for it in range(args.warmup + args.iters):
+        for name, fn in algos.items():
+            work.copy_(source)  # fresh input: repeated in-place sums would overflow
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()  # everybody starts together; the barrier itself is not timed
+            t0 = time.perf_counter()
+            fn(work)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if it >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    # A collective is finished when its slowest rank is: take the max over ranks per iteration.
+    t = torch.tensor([times[name] for name in algos], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {name: statistics.median(row) * 1e6 for name, row in zip(algos, t.tolist())}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = init_distributed(args.device, args.timeout_s)
+    try:
+        ok = run(args, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+def run(args, rank, world, device) -> bool:
+    dtype = DTYPES[args.dtype]
+    backend = dist.get_backend()
+    # The ring with --segment; the other three as defined above.
+    algos = dict(ALGORITHMS, ring=partial(ring_all_reduce, segment_bytes=args.segment))
+    if rank == 0:
+        segments = human(args.segment) if args.segment else "a chunk"
+        print(f"ring_allreduce | world {world} | device {device} | backend {backend} | "
+              f"{args.dtype} | ring segments of {segments}", flush=True)
+
+    # 1. Correctness: numel 1 (chunks mostly empty), world-1 (one short), a prime (unequal chunks)
+    #    and a power of two, for sum and avg.
+    rows, all_ok = [], True
+    if rank == 0:
+        print("max |error| / rounding bound, worst rank (<= 1 passes):")
+        print(f"{'check':<6} {'numel':>6} {'op':>4} " + " ".join(f"{a:>16}" for a in algos))
+    for numel in sorted({1, max(world - 1, 1), 1009, 2 ** 16}):
+        for op in ("sum", "avg"):
+            res = [check_case(fn, numel, op, dtype, world, rank, args.seed, device)
+                   for fn in algos.values()]
+            worst = torch.tensor([[e, -float(ok)] for e, ok in res], dtype=torch.float64,
+                                 device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # worst error; any rank not in place
+            err = worst[:, 0].tolist()
+            in_place = bool((worst[:, 1] == -1).all())
+            passed = all(e <= 1 for e in err) and in_place
+            all_ok &= passed
+            rows.append({"kind": "check", "numel": numel, "op": op, "dtype": args.dtype,
+                         "world_size": world, "error_over_bound": dict(zip(algos, err)),
+                         "in_place": in_place, "pass": passed})
+            if rank == 0:
+                print(f"{'PASS' if passed else 'FAIL':<6} {numel:>6} {op:>4} "
+                      + " ".join(f"{e:>16.3f}" for e in err))
+
+    # 2. Timing: median of the slowest rank, per algorithm, interleaved.
+    esize = torch.tensor([], dtype=dtype).element_size()
+    factor = 2 * (world - 1) / world  # nccl-tests' all-reduce bus-bandwidth factor
+    if rank == 0:
+        print(f"\ntime (ms), median of {args.iters}; busbw of the ring in GB/s")
+        print(f"{'size':>6} " + " ".join(f"{a:>16}" for a in algos)
+              + f" {'ring/library':>13} {'naive/ring':>11} {'ring_busbw':>11}")
+    for nbytes in args.size_list:
+        numel = max(nbytes // esize, 1)
+        t = time_algorithms(algos, numel, dtype, args, device)
+        busbw = {k: numel * esize / (v * 1e-6) * factor / 1e9 for k, v in t.items()}
+        rows += [{"kind": "time", "algo": k, "bytes": numel * esize, "dtype": args.dtype,
+                  "world_size": world, "time_us": v, "busbw_GBps": busbw[k],
+                  "backend": backend, "device": device.type} for k, v in t.items()]
+        if rank == 0:
+            print(f"{human(numel * esize):>6} " + " ".join(f"{v / 1e3:>16.3f}" for v in t.values())
+                  + f" {t['ring'] / t['library']:>13.2f} {t['naive'] / t['ring']:>11.2f}"
+                  f" {busbw['ring']:>11.3f}", flush=True)
+
+    if rank == 0 and args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json_out.with_name(args.json_out.name + ".tmp")
+        tmp.write_text(json.dumps(rows, indent=1))
+        os.replace(tmp, args.json_out)
+    dist.barrier()
+    if rank == 0 and not all_ok:
+        print("FAIL: an all-reduce disagrees with the reference sum", file=sys.stderr)
+    return all_ok
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
+
+
+if __name__ == "__main__":
+    main()
