@@ -5,21 +5,22 @@ sees the whole batch. World size = TP degree here; hybrid_parallelism.py adds da
 parallelism on a device mesh.
 
 Launch (from the repository root):
-    python 05-advanced/tensor_parallel.py                                       # 1 process: dense
+    python 05-advanced/tensor_parallel.py                 # 1 process: t = 1, whole matrices
     torchrun --nproc_per_node=2 05-advanced/tensor_parallel.py                  # manual f/g layers
     torchrun --nproc_per_node=2 05-advanced/tensor_parallel.py --impl dtensor   # parallelize_module
     torchrun --nproc_per_node=2 05-advanced/tensor_parallel.py --sequence-parallel
-    torchrun --nproc_per_node=4 05-advanced/tensor_parallel.py --device cuda --hidden 1024 --heads 16
+    torchrun --nproc_per_node=8 05-advanced/tensor_parallel.py --device cuda --hidden 4096 \
+        --heads 32 --seq-len 2048                         # one 8-GPU node: TP stays on NVLink
 
 Expected output (torchrun --nproc_per_node=2, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
     tp 2 | impl manual | device cpu | batch 8 x seq 16 x hidden 64 | 2 layers, 4 heads (2 per rank)
-    step    1/20 | loss 4.2367
-    ...
-    step   20/20 | loss 2.3046
-    TP traffic of one step, counted on step 1 (fp32 = 4 bytes/element; bytes this rank sends):
-      all_reduce     x8  of (8, 16, 64)   ring 2(t-1)/t x 32768 B  =  131072 B
-    activations, per layer: 65536 B = formula 8*b*s*h*(t-1)/t * 4 B = 8*8*16*64*1/2*4 = 65536 B
-    done: 20 steps, median ... ms/step, ... tokens/s
+    step    1/20 | loss 4.2351
+    step   10/20 | loss 4.1156
+    step   20/20 | loss 3.5636
+    TP traffic of one step, counted on step 1 (fp32 = 4 bytes/element; bytes this rank sends, ...):
+      all_reduce      x8   of (8, 16, 64)    =    262144 B
+    per layer: 131072 B = formula 8*b*s*h*(t-1)/t * 4 B = 8*8*16*64*1/2*4 = 131072 B
+    done: 20 steps, median 50.9 ms/step, 2513 tokens/s
 
 Megatron-LM (Shoeybi et al. 2019), section 3: an MLP  Y = GeLU(X A),  Z = Y B  is split with A by
 columns and B by rows, so each rank computes GeLU(X A_i) B_i with no communication in between and
