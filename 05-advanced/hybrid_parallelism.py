@@ -25,15 +25,15 @@ torch 2.14.1, gloo):
       tp groups [[0, 1], [2, 3]]: consecutive ranks, inside one node: keep TP on NVLink, ...
       dp degree 1: no dp traffic
       pp groups [[0, 2], [1, 3]]: point-to-point activations at stage boundaries only, ...
-    step    1/20 | loss 4.2351
-    step   10/20 | loss 4.1156
-    step   20/20 | loss 3.5636
+    step    1/10 | loss 4.2351
+    step    5/10 | loss 4.1183
+    step   10/10 | loss 4.1156
     traffic of one step, counted on step 2 (fp32, 4 bytes/element; bytes rank 0 sends, ...):
       tp: all_reduce                   131072 B | formula L/p=1 x 8*b*s*h*(t-1)/t*4 = 131072 B
       dp: -                                 0 B | formula 2*(d-1)/d*4*P (FSDP: ...) = 0 B
       pp: send                          32768 B | formula b*s*h*4 per boundary and ... = 32768 B
-    done: 20 steps, median 552.7 ms/step
-The losses are those of tensor_parallel.py's runs (and of one process): the same model and data.
+    done: 10 steps, median 317.7 ms/step
+The losses are those of tensor_parallel.py's run (and of one process): the same model and data.
 """
 
 import argparse
@@ -79,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (stages)")
     p.add_argument("--microbatches", type=int, default=4,
                    help="micro-batches per step when --pp > 1 (1F1B needs at least pp)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=8,
                    help="sequences per data-parallel rank per step (shared by its TP and PP peers)")
     p.add_argument("--seq-len", type=int, default=16)
@@ -91,7 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--metrics-out", type=Path, help="rank 0 writes the run's metrics JSON here")
     p.add_argument("--export", type=Path, help="rank 0 writes the plain model state_dict here")
     args = p.parse_args(argv)
