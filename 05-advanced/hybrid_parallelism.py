@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -114,7 +115,7 @@ def parse_args(argv=None):
     if args.pp > 1 and (args.batch_size % args.microbatches or args.microbatches < args.pp):
         fail(f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size} and "
              f"be at least --pp {args.pp} (the 1F1B schedule)")
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", 1)))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1")))
     if args.dp == -1:
         if world % (args.tp * args.pp):
             fail(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp}")
@@ -132,7 +133,11 @@ def init_distributed(device_arg: str, timeout_s: float):
     if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_ADDR" not in env:  # the first host of the step's allocation
+            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                                 text=True, check=False).stdout.split()
+            env["MASTER_ADDR"] = out[0] if out else nodes
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
     rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))

@@ -41,6 +41,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -92,7 +93,7 @@ def parse_args(argv=None):
     if args.lr <= 0 or args.timeout_s <= 0:
         fail(f"--lr and --timeout-s must be positive, got {args.lr} and {args.timeout_s}")
     # The TP degree is the world size; check the shapes it must divide before any process group.
-    tp = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", 1)))
+    tp = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1")))
     if args.hidden % args.heads:
         fail(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if args.heads % tp:
@@ -111,7 +112,11 @@ def init_distributed(device_arg: str, timeout_s: float):
     if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_ADDR" not in env:  # the first host of the step's allocation
+            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                                 text=True, check=False).stdout.split()
+            env["MASTER_ADDR"] = out[0] if out else nodes
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
     rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
