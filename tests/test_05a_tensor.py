@@ -16,12 +16,14 @@ What is proved, each against one process computing the dense model:
   rank, before any collective.
 """
 
+import importlib.util
 import re
 import time
 
 import pytest
-from conftest import (PYTHON, assert_bad_input, assert_state_dicts_close, finish, free_port,
-                      load_export, read_json, run_python, run_torchrun, start)
+
+from conftest import (PYTHON, REPO, assert_bad_input, assert_state_dicts_close, finish,
+                      free_port, load_export, read_json, run_python, run_torchrun, start)
 
 TP = "05-advanced/tensor_parallel.py"
 HYBRID = "05-advanced/hybrid_parallelism.py"
@@ -41,6 +43,16 @@ B, S, H, L = 16, 16, 64, 2  # global batch; the scripts' default sequence length
 # all-reduce removed, 1.5e-2 with the sequence-parallel bias gradients left unreduced. atol 1e-4
 # sits 4x above the first and 150x below the second.
 WEIGHTS_RTOL, WEIGHTS_ATOL = 1e-4, 1e-4
+
+
+def plain_model(script: str):
+    """The script's model class, built without any parallel wrapper (DESIGN 2.8: the export
+    loads into it with strict=True). Importing the file runs no training: main() is guarded."""
+    name = "lesson05a_" + script.split("/")[-1].removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GPT(vocab=64, hidden=H, heads=4, layers=L, seq_len=S)
 
 
 def formula_bytes(t: int, sequence_parallel: bool, impl: str) -> dict:
@@ -106,6 +118,7 @@ def test_tensor_parallel_training_matches_one_process(tp_run, reference, impl, s
     assert metrics["world_size"] == 2 and metrics["tp"] == 2 and len(metrics["losses"]) == 3
     assert_state_dicts_close(weights, reference, rtol=WEIGHTS_RTOL, atol=WEIGHTS_ATOL,
                              msg=f"{impl} sp={sp} vs one process:")
+    plain_model(TP).load_state_dict(weights, strict=True)
 
 
 @pytest.mark.parametrize("impl,sp", VARIANTS, ids=IDS)
@@ -139,8 +152,10 @@ def test_hybrid_matches_one_process(tmp_path, reference, degrees):
                  tmp_path / "m.json", nproc=4, timeout=240)
     metrics = read_json(tmp_path / "m.json")
     assert metrics["global_batch"] == B and metrics["world_size"] == 4
-    assert_state_dicts_close(load_export(tmp_path / "w.pt"), reference,
-                             rtol=WEIGHTS_RTOL, atol=WEIGHTS_ATOL, msg=f"{degrees}:")
+    weights = load_export(tmp_path / "w.pt")
+    assert_state_dicts_close(weights, reference, rtol=WEIGHTS_RTOL, atol=WEIGHTS_ATOL,
+                             msg=f"{degrees}:")
+    plain_model(HYBRID).load_state_dict(weights, strict=True)
     # Each rank's traffic per mesh dim equals its formula: TP's and PP's derived here from the
     # degrees; FSDP's from the parameters the rank holds (the script knows their shapes).
     dp, tp, pp = metrics["dp"], metrics["tp"], metrics["pp"]
