@@ -1,0 +1,127 @@
+"""Measure and plot the two figures of the tensor/hybrid section of 05-advanced/README.md.
+
+    python 05-advanced/figures/tp_figures.py            # about 15 minutes on a shared 2-core CPU
+
+1. tp_step_time.png: median time per training step of tensor_parallel.py at world 2, hand-written
+   layers vs DTensor, with and without sequence parallelism, at two model sizes. Each variant runs
+   --repeats times, interleaved, so that a busy machine slows all of them alike; the README quotes
+   the median over repeats of the per-repeat ratio DTensor / manual.
+2. tp_bytes_tp_vs_dp.png: bytes one rank sends per step, measured by hybrid_parallelism.py's
+   counter, for the same model and global batch split two ways at world 2: --tp 2 (activations,
+   grows with batch x sequence) and --dp 2 (FSDP: parameters, independent of the batch).
+
+Like the benchmarks, this launches the lesson scripts as subprocesses and reads their
+--metrics-out JSON; the raw numbers go to tp_figures.json beside the plots.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SIZES = {"default": [], "wider": ["--hidden", "256", "--heads", "8", "--seq-len", "64"]}
+VARIANTS = {"manual": ["--impl", "manual"], "dtensor": ["--impl", "dtensor"],
+            "manual + SP": ["--impl", "manual", "--sequence-parallel"],
+            "dtensor + SP": ["--impl", "dtensor", "--sequence-parallel"]}
+
+
+def run(script: str, nproc: int, args: list, metrics: Path) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    cmd = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", str(REPO / script), *args,
+           "--metrics-out", str(metrics)]
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE, text=True)
+    return json.loads(metrics.read_text())
+
+
+def step_times(repeats: int, steps: int, tmp: Path) -> dict:
+    out = {size: {v: [] for v in VARIANTS} for size in SIZES}
+    for rep in range(repeats):
+        for size, size_args in SIZES.items():
+            for name, flags in VARIANTS.items():
+                m = run("05-advanced/tensor_parallel.py", 2,
+                        ["--steps", str(steps), *flags, *size_args], tmp / "m.json")
+                out[size][name].append(m["median_step_ms"])
+                print(f"repeat {rep + 1}/{repeats} | {size:<7} | {name:<12} | "
+                      f"{m['median_step_ms']:7.1f} ms/step", flush=True)
+    return out
+
+
+def traffic(batches: list, tmp: Path) -> dict:
+    out = {"global_batch": batches, "tp": [], "dp": [], "param_count": None}
+    for g in batches:
+        tp = run("05-advanced/hybrid_parallelism.py", 2,
+                 ["--steps", "3", "--tp", "2", "--batch-size", str(g)], tmp / "m.json")
+        dp = run("05-advanced/hybrid_parallelism.py", 2,
+                 ["--steps", "3", "--dp", "2", "--batch-size", str(g // 2)], tmp / "m.json")
+        out["tp"].append(sum(tp["per_rank"][0]["comm_bytes"].values()))
+        out["dp"].append(sum(dp["per_rank"][0]["comm_bytes"].values()))
+        # Parameters of the whole model: the FSDP shards of both ranks together (fp32).
+        out["param_count"] = sum(r["param_bytes"] for r in dp["per_rank"]) // 4
+        out["torch_version"] = dp["torch_version"]
+        print(f"global batch {g:3d} | tp 2: {out['tp'][-1]:>9} B | dp 2: {out['dp'][-1]:>9} B",
+              flush=True)
+    return out
+
+
+def plot(times: dict, bytes_: dict, seq_len: int) -> dict:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = {size: statistics.median(d / m for d, m in zip(t["dtensor"], t["manual"]))
+              for size, t in times.items()}
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.2
+    for k, name in enumerate(VARIANTS):
+        med = [statistics.median(times[size][name]) for size in SIZES]
+        xs = [i + (k - 1.5) * width for i in range(len(SIZES))]
+        ax.bar(xs, med, width, label=name)
+    ax.set_xticks(range(len(SIZES)),
+                  [f"{size}\n(dtensor/manual = {ratios[size]:.2f}x)" for size in SIZES])
+    ax.set_ylabel("median ms per step")
+    ax.set_title("tensor_parallel.py, tp 2, 2-core CPU (shared), gloo")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(HERE / "tp_step_time.png", dpi=120)
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    tokens = [g * seq_len for g in bytes_["global_batch"]]
+    ax.plot(tokens, [b / 1e6 for b in bytes_["tp"]], "o-", label="tensor parallel, t = 2")
+    ax.plot(tokens, [b / 1e6 for b in bytes_["dp"]], "s-", label="FSDP, d = 2")
+    ddp = 2 * (2 - 1) / 2 * 4 * bytes_["param_count"]
+    ax.axhline(ddp / 1e6, color="grey", ls=":", label="DDP formula 2(d-1)/d x 4P")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per step (global batch x sequence)")
+    ax.set_ylabel("MB one rank sends per step")
+    ax.set_title("Same model, same batch: TP moves activations, DP moves parameters")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(HERE / "tp_bytes_tp_vs_dp.png", dpi=120)
+    return ratios
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batches", type=int, nargs="+", default=[4, 16, 64])
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        times = step_times(args.repeats, args.steps, Path(tmp))
+        bytes_ = traffic(args.batches, Path(tmp))
+    ratios = plot(times, bytes_, seq_len=16)
+    result = {"step_ms": times, "dtensor_over_manual": ratios, "traffic": bytes_,
+              "machine": "2-core AMD EPYC CPU (shared), gloo", "python": sys.version.split()[0]}
+    (HERE / "tp_figures.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({"dtensor_over_manual": ratios}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
