@@ -206,6 +206,9 @@ def main(argv=None):
 
 
 def run(args, rank, world, device):
+    if args.images // world < args.batch_size:
+        fail(f"--images {args.images} over {world} ranks leaves {args.images // world} per rank, "
+             f"less than one --batch-size {args.batch_size}")
     torch.set_num_threads(1)  # the loader workers need the cores too
     jpegs, labels = synthetic_jpegs(args.images, args.raw_size, args.seed)
 

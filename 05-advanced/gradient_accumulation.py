@@ -9,14 +9,16 @@ Launch (from the repository root):
 
 Expected output (torchrun --nproc_per_node=2, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
     world 2 | effective batch 64 = micro-batch 8 x accumulation 4 x world 2 | SGD lr 0.1
-    step 1 gradient norm 0.1627
-    step  1/20 | loss 2.3202 | grad norm 0.1627
+    step 1 gradient norm 0.2284 (loss not divided by 4, the --buggy way: 0.9135 = 4.00x)
+    step  1/20 | loss 2.3087 | grad norm 0.2284
     ...
-    step 20/20 | loss 2.0402 | grad norm 0.2327
+    step 20/20 | loss 2.2799 | grad norm 0.2325
     done: 20 steps, all-reduces per optimizer step: 1 (no_sync on 3 of 4 micro-steps)
 
     with --buggy:
-    step 1 gradient norm 0.6507 = 4.00 x the correct 0.1627 (loss not divided by --grad-accum 4)
+    step 1 gradient norm 0.9135 = 4.00 x the correct 0.2284 (loss not divided by --grad-accum 4)
+    ...
+    step 20/20 | loss 2.1778 | grad norm 1.0261
 
 One optimizer step with accumulation A on W ranks:
 
@@ -216,9 +218,8 @@ def train(args, rank, world, device):
                       f"correct {other_norm:.4f} (loss not divided by --grad-accum {accum})",
                       flush=True)
             else:
-                print(f"step 1 gradient norm {norms[0]:.4f} (without dividing the loss by "
-                      f"--grad-accum {accum}, the --buggy way: {other_norm:.4f} = "
-                      f"{other_norm / norms[0]:.2f}x)", flush=True)
+                print(f"step 1 gradient norm {norms[0]:.4f} (loss not divided by {accum}, the "
+                      f"--buggy way: {other_norm:.4f} = {other_norm / norms[0]:.2f}x)", flush=True)
             if args.grads_out:
                 grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
                 save({"correct": other, "buggy": grads} if args.buggy else

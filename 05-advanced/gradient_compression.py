@@ -215,15 +215,17 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         average.index_add_(0, idx.long(), val)
     average /= state.world
 
-    offset = 0
+    # Per parameter: the residual to add next step, and float64 running sums of the true local
+    # gradients and of what was sent (for the conservation check).
     sent = torch.zeros_like(acc)
     sent[index] = values
+    offset = 0
     for p, g in zip(params, grads):
-        n = g.numel()
-        state.residual[id(p)] = residual[offset:offset + n].clone()
-        for store, part in ((state.sum_grads, g.reshape(-1)), (state.sum_sent, sent[offset:offset + n])):
-            store[id(p)] = store.get(id(p), 0) + part.double()
-        offset += n
+        part = slice(offset, offset + g.numel())
+        state.residual[id(p)] = residual[part].clone()
+        state.sum_grads[id(p)] = state.sum_grads.get(id(p), 0) + g.reshape(-1).double()
+        state.sum_sent[id(p)] = state.sum_sent.get(id(p), 0) + sent[part].double()
+        offset += g.numel()
     bucket.buffer().copy_(average)
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())  # already done: the collectives above were synchronous
@@ -321,12 +323,14 @@ def report(args, world, rows):
     for step in sorted({0, args.steps - 1, *range(args.log_every - 1, args.steps,
                                                   args.log_every)}):
         print(f"{step + 1:5d}  " + " ".join(f"{r['losses'][step]:9.4f}" for r in rows))
-    print(f"{'method':<9} {'bytes/step':>10} {'ratio':>7} {'final loss':>10} {'vs none':>8}")
+    print(f"{'method':<9} {'bytes/step':>10} {'ratio':>7} {'loss, last 5 steps':>18} "
+          f"{'vs none':>8}")
     for r in rows:
-        r["loss_cost"] = r["final_loss"] - base["final_loss"] if base else None
+        # + 0.0 turns a rounded -0.0 into 0.0
+        r["loss_cost"] = round(r["final_loss"] - base["final_loss"], 4) + 0.0 if base else None
         cost = f"{r['loss_cost']:+8.4f}" if base else "       -"
         print(f"{r['method']:<9} {r['bytes_per_step']:10d} {r['compression_ratio']:6.1f}x "
-              f"{r['final_loss']:10.4f} {cost}", flush=True)
+              f"{r['final_loss']:18.4f} {cost}", flush=True)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(rows, indent=1))
@@ -352,7 +356,7 @@ def plot(rows, world, path: Path) -> None:
     for i, r in enumerate(rows):
         ax2.annotate(f"{r['compression_ratio']:.0f}x\nloss {r['final_loss']:.3f}",
                      (i, r["compression_ratio"]), ha="center", va="bottom", fontsize=7)
-    ax2.set_title("bytes sent per step, and final loss")
+    ax2.set_title("bytes sent per step; loss over the last 5 steps")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -145,6 +145,10 @@ def bug_p2p_deadlock(rank, world, timeout_s):
     dist.send(torch.ones(8), dst=peer)
 
 
+BUG_FUNCTIONS = {"mismatch": bug_mismatch, "missing-rank": bug_missing_rank, "shape": bug_shape,
+                 "p2p-deadlock": bug_p2p_deadlock}
+
+
 def short(message: str) -> str:
     """The informative part of a c10d error: the first line, without TensorOptions noise."""
     line = message.strip().splitlines()[0] if message.strip() else repr(message)
@@ -160,15 +164,16 @@ def main(argv=None):
         pids = [None] * world
         dist.all_gather_object(pids, os.getpid())
         if rank == 0:
-            print(f"bug {args.bug} | TORCH_DISTRIBUTED_DEBUG={os.environ['TORCH_DISTRIBUTED_DEBUG']}"
-                  f" | timeout {args.timeout_s:g} s | stacks of waiting ranks dumped after "
+            level = os.environ["TORCH_DISTRIBUTED_DEBUG"]
+            print(f"bug {args.bug} | TORCH_DISTRIBUTED_DEBUG={level} | timeout "
+                  f"{args.timeout_s:g} s | stacks of waiting ranks dumped after "
                   f"{args.stack_dump_s:g} s", flush=True)
             print("a live hang is inspected with: " + " ; ".join(
                 f"py-spy dump --pid {pid}  # rank {r}" for r, pid in enumerate(pids)), flush=True)
         faulthandler.dump_traceback_later(args.stack_dump_s, exit=False)
         t0 = time.perf_counter()
         try:
-            globals()[f"bug_{args.bug.replace('-', '_')}"](rank, world, args.timeout_s)
+            BUG_FUNCTIONS[args.bug](rank, world, args.timeout_s)
         except Exception as exc:  # noqa: BLE001 - the point: turn any hang into one clear line
             faulthandler.cancel_dump_traceback_later()
             print(f"[rank {rank}] error after {time.perf_counter() - t0:.1f} s "

@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--wait", type=int, default=1, help="profiler schedule: steps skipped")
     p.add_argument("--warmup", type=int, default=1, help="profiler schedule: traced, discarded")
     p.add_argument("--active", type=int, default=3, help="profiler schedule: steps recorded")
-    p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per rank per step")
     p.add_argument("--hidden", type=int, default=512, help="width of the MLP")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
@@ -189,7 +189,8 @@ def run(args, rank, world, device):
             prof.step()  # advances the schedule; marks "ProfilerStep#k" in the trace
 
     # Read the recorded steps back: ProfilerStep#k events are the whole steps, the labels nest
-    # inside them (key_averages groups the steps as "ProfilerStep*"). Times are microseconds of CPU wall time per event, summed over active steps.
+    # inside them (key_averages groups the steps as "ProfilerStep*"). Times: microseconds of
+    # CPU wall time, summed over the active steps.
     totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
     step_us = sum(t for k, t in totals.items() if k.startswith("ProfilerStep"))
     fractions = {name: totals.get(name, 0.0) / step_us for name in REGIONS}
@@ -212,10 +213,11 @@ def report(args, world, per_rank, comm_ops):
     comm = sum(row["fractions"]["allreduce"] for row in per_rank) / world
     print(f"communication ops seen in the profile: {', '.join(comm_ops)}")
     bounds = {n: amdahl(comm, n) for n in (8, 64, 1024)}
+    limit = f"{1 / comm:.1f}x" if comm > 0 else "none"
     print(f"Amdahl: communication is {comm:.1%} of a step (mean over ranks); if it stayed that "
           f"long while the rest split n ways, the speedup is at most "
-          + ", ".join(f"{b:.1f}x at {n}" for n, b in bounds.items())
-          + f" (limit {1 / comm:.1f}x)" if comm > 0 else "", flush=True)
+          + ", ".join(f"{b:.1f}x at {n}" for n, b in bounds.items()) + f" (limit {limit})",
+          flush=True)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps({

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from conftest import (assert_bad_input, assert_state_dicts_close, launch, load_export, read_json,
+from conftest import (assert_bad_input, assert_state_dicts_close, load_export, read_json,
                       run_python, run_torchrun)
 
 ACCUM = "05-advanced/gradient_accumulation.py"
