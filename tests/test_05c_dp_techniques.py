@@ -1,0 +1,295 @@
+"""Lesson 05c: the techniques that make data parallelism fast and debuggable.
+
+Each fixture is one launch of a lesson script (module-scoped, shared by several asserts), so the
+whole file costs about a dozen process launches on a 2-core CPU.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import assert_state_dicts_close, load_export, read_json, run_python, run_torchrun
+
+ACCUM = "05-advanced/gradient_accumulation.py"
+OVERLAP = "05-advanced/communication_overlap.py"
+COMPRESS = "05-advanced/gradient_compression.py"
+ASYNC = "05-advanced/async_sgd.py"
+PROFILE = "05-advanced/profiling.py"
+DATA = "05-advanced/data_loading.py"
+HANG = "05-advanced/hang_debugging.py"
+
+# float32 on CPU: the same samples, summed in a different order (per rank, then all-reduced)
+# differ by a few ulps per step; 1e-5 relative / 1e-6 absolute leaves a margin of ~10x over
+# the measured ~2e-7 after a few steps and still catches any real difference (a missing
+# average, a gradient reduced twice, an unsynchronised replica all give errors >= 1e-3).
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradient accumulation
+
+
+@pytest.fixture(scope="module")
+def accumulation(tmp_path_factory):
+    d = tmp_path_factory.mktemp("accum")
+    common = ["--steps", "3", "--hidden", "32"]
+    # One process with the full batch of 32 per step vs 2 ranks x micro-batch 8 x accumulation 2.
+    run_python(ACCUM, *common, "--batch-size", "32", "--grad-accum", "1",
+               "--export", d / "w1.pt", "--metrics-out", d / "w1.json")
+    # Step 1 is computed both ways by every run (correct, and with the --buggy loss scaling)
+    # on the same weights and samples; --grads-out saves both.
+    run_torchrun(ACCUM, *common, "--batch-size", "8", "--grad-accum", "2",
+                 "--export", d / "w2.pt", "--metrics-out", d / "w2.json",
+                 "--grads-out", d / "grads.pt")
+    return d
+
+
+def test_accumulation_world2_equals_one_process_full_batch(accumulation):
+    d = accumulation
+    assert_state_dicts_close(load_export(d / "w2.pt"), load_export(d / "w1.pt"), rtol=RTOL,
+                             atol=ATOL, msg="world 2 x accum 2 vs world 1 full batch:")
+    w1, w2 = read_json(d / "w1.json"), read_json(d / "w2.json")
+    assert w1["global_batch"] == w2["global_batch"] == 32
+    torch.testing.assert_close(torch.tensor(w2["losses"]), torch.tensor(w1["losses"]),
+                               rtol=RTOL, atol=ATOL)
+    # no_sync(): one all-reduce per optimizer step although there are two backward passes.
+    assert w2["allreduces_per_step"] == 1
+
+
+def test_buggy_accumulation_gradients_are_exactly_accum_times_larger(accumulation):
+    grads = torch.load(accumulation / "grads.pt", weights_only=True)
+    assert set(grads) == {"correct", "buggy"}
+    # Bitwise: the same weights and samples through the same accumulate() that --buggy trains
+    # with; the only difference is the factor 1/2 on each micro-step loss, and scaling by a power
+    # of two is exact in binary floating point (backward is linear in the loss gradient, and the
+    # all-reduce sums the scaled values), so every gradient is exactly 2x.
+    for name, correct in grads["correct"].items():
+        torch.testing.assert_close(grads["buggy"][name], 2 * correct, rtol=0, atol=0,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert read_json(accumulation / "w2.json")["buggy"] is False
+
+
+# --------------------------------------------------------------------------------------------------
+# Communication overlap: naive / flat / overlap / bucketed / ddp
+
+OVERLAP_ARGS = ["--dim", "32", "--depth", "2", "--steps", "3", "--warmup", "1",
+                "--bucket-cap-mb", "0.01", "1"]
+VARIANT_FILES = ["naive", "flat", "overlap", "bucketed_0.01mb", "bucketed_1mb", "ddp_0.01mb",
+                 "ddp_1mb"]
+
+
+@pytest.fixture(scope="module")
+def overlap(tmp_path_factory):
+    d = tmp_path_factory.mktemp("overlap")
+    # The one-process reference needs no wrapper at all: the naive variant on the full batch.
+    run_python(OVERLAP, *OVERLAP_ARGS, "--batch-size", "8", "--variants", "naive",
+               "--export-dir", d / "w1")
+    run_torchrun(OVERLAP, *OVERLAP_ARGS, "--batch-size", "4", "--export-dir", d / "w2",
+                 "--json-out", d / "rows.json")
+    return d
+
+
+def test_every_variant_equals_one_process(overlap):
+    # The model has a frozen parameter (pos), a buffer (feature_scale) and tied weights
+    # (head.weight is embed.weight); each rank initialises with its own seed, so only the
+    # wrappers' broadcast from rank 0 can make world 2 match world 1.
+    reference = load_export(overlap / "w1" / "naive.pt")
+    for name in VARIANT_FILES:
+        sd = load_export(overlap / "w2" / f"{name}.pt")
+        assert_state_dicts_close(sd, reference, rtol=RTOL, atol=ATOL,
+                                 msg=f"world 2 {name} vs world 1:")
+        assert sd["head.weight"].data_ptr() == sd["embed.weight"].data_ptr(), \
+            "the tie must survive training and export"
+
+
+def test_collectives_skip_frozen_and_reduce_tied_once(overlap):
+    rows = read_json(overlap / "rows.json")
+    assert {r["variant"] for r in rows} == {"naive", "flat", "overlap", "bucketed", "ddp"}
+    for r in rows:
+        assert set(r) >= {"variant", "bucket_cap_mb", "step_time_s", "exposed_comm_s",
+                          "collectives"}
+        assert (r["bucket_cap_mb"] is None) == (r["variant"] in ("naive", "flat", "overlap"))
+    by = {(r["variant"], r["bucket_cap_mb"]): r for r in rows}
+    sd = load_export(overlap / "w1" / "naive.pt")
+    # Trainable tensors: everything in the state dict except the frozen `pos`, the buffer and
+    # the second name of the tied tensor. A wrapper that reduced the tie twice or waited for the
+    # frozen parameter would show a different count (or hang).
+    trainable = len(sd) - 3
+    assert by[("naive", None)]["collectives"] == trainable
+    assert by[("overlap", None)]["collectives"] == trainable
+    assert by[("flat", None)]["collectives"] == 1
+    assert 1 < by[("bucketed", 0.01)]["collectives"] < trainable
+    assert by[("bucketed", 1.0)]["collectives"] == 1
+
+
+def test_overlapped_allreduces_start_before_backward_ends(overlap):
+    by = {(r["variant"], r["bucket_cap_mb"]): r for r in read_json(overlap / "rows.json")}
+    # Offsets are launch time minus the time backward() returned, on rank 0's clock.
+    for key in (("overlap", None), ("bucketed", 0.01)):
+        offsets = by[key]["launch_offsets_s"]
+        assert len(offsets) > 1 and all(t < 0 for t in offsets), (key, offsets)
+        assert offsets[0] < offsets[-1], "launches follow backward through the layers"
+    for key in (("naive", None), ("flat", None)):
+        assert all(t >= 0 for t in by[key]["launch_offsets_s"]), key
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradient compression
+
+
+@pytest.fixture(scope="module")
+def compression(tmp_path_factory):
+    d = tmp_path_factory.mktemp("compression")
+    run_torchrun(COMPRESS, "--steps", "30", "--json-out", d / "rows.json",
+                 "--ef-check", d / "ef.pt")
+    return d
+
+
+def test_fp16_bf16_hooks_track_uncompressed_training(compression):
+    rows = {r["method"]: r for r in read_json(compression / "rows.json")}
+    base = rows["none"]["losses"]
+    decrease = base[0] - min(base)
+    # Each step's gradient is rounded once to the narrow type (unit roundoff u = 2^-11 for fp16,
+    # 2^-8 for bf16), so each update, and the loss decrease it buys, is off by at most a
+    # fraction u: the curves may differ by u x the total decrease (measured: ~50x below).
+    for method, u in (("fp16", 2**-11), ("bf16", 2**-8)):
+        assert rows[method]["compression_ratio"] == 2.0
+        diff = max(abs(a - b) for a, b in zip(rows[method]["losses"], base))
+        assert diff <= u * decrease, f"{method}: loss differs by {diff} > {u * decrease}"
+
+
+def test_powersgd_and_topk_compress_and_still_learn(compression):
+    rows = {r["method"]: r for r in read_json(compression / "rows.json")}
+    assert rows["none"]["compression_ratio"] == 1.0
+    for method in ("powersgd", "topk"):
+        r = rows[method]
+        assert r["compression_ratio"] > 10, (method, r["compression_ratio"])
+        # Within the 30-step budget the loss falls by at least half of what uncompressed
+        # training achieves.
+        drop, base_drop = r["losses"][0] - r["final_loss"], \
+            rows["none"]["losses"][0] - rows["none"]["final_loss"]
+        assert drop > 0.5 * base_drop, (method, drop, base_drop)
+
+
+def test_error_feedback_conserves_the_gradient(compression):
+    check = torch.load(compression / "ef.pt", weights_only=True)
+    assert check["sum_grads"], "the top-k hook saw no gradients"
+    for name, total in check["sum_grads"].items():
+        # Each step splits grad + residual exactly into (sent, new residual); the only error is
+        # the float32 rounding of grad + residual, once per step: 30 x 2^-24 relative on values
+        # below 1 is < 2e-6.
+        torch.testing.assert_close(check["sum_sent"][name] + check["residual"][name].double(),
+                                   total, rtol=0, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
+        assert check["residual"][name].abs().sum() > 0, "top-k must leave something behind"
+
+
+# --------------------------------------------------------------------------------------------------
+# Asynchronous and local SGD
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("async")
+    # 1 server + 2 workers, the second 20 ms slower per step; local SGD with H = 1.
+    run_torchrun(ASYNC, "--steps", "10", "--local-steps", "1", "--worker-delay-ms", "0", "20",
+                 "--export-dir", d, "--json-out", d / "run.json", nproc=3)
+    return d
+
+
+def test_local_sgd_with_h1_equals_synchronous_sgd(async_run):
+    assert_state_dicts_close(load_export(async_run / "local.pt"),
+                             load_export(async_run / "sync.pt"), rtol=RTOL, atol=ATOL,
+                             msg="local SGD H=1 vs sync SGD:")
+    run = read_json(async_run / "run.json")
+    assert run["modes"]["local"]["allreduces"] == run["modes"]["sync"]["allreduces"] == 10
+
+
+def test_parameter_server_measures_staleness(async_run):
+    a = read_json(async_run / "run.json")["modes"]["async"]
+    assert a["gradients_applied"] == 2 * 10
+    # The slow worker's gradients arrive after the fast one has already updated the weights.
+    assert a["mean_staleness_per_worker"][1] > 0 and a["max_staleness"] >= 1
+    assert sum(a["pushes_per_worker"]) == 2 * 10 + 2  # + the one push each worker lost at STOP
+
+
+# --------------------------------------------------------------------------------------------------
+# Profiling
+
+
+def test_profiler_traces_and_summary(tmp_path):
+    run_torchrun(PROFILE, "--trace-dir", tmp_path / "traces", "--json-out", tmp_path / "p.json",
+                 "--hidden", "128")
+    summary = read_json(tmp_path / "p.json")
+    for rank in range(2):
+        trace = json.loads((tmp_path / "traces" / f"trace_rank{rank}.json").read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert any("all_reduce" in n for n in names), f"rank {rank}: no all_reduce op in trace"
+        assert {"forward", "backward", "allreduce"} <= names
+        fractions = summary["per_rank"][rank]["fractions"]
+        assert abs(sum(fractions.values()) - 1) < 1e-9
+        # `other` >= 0: the labelled regions nest inside the profiler's steps.
+        assert all(0 <= f <= 1 for f in fractions.values()), fractions
+    f = summary["comm_fraction"]
+    assert 0 < f < 1
+    for n, bound in summary["amdahl_bound"].items():
+        assert bound == pytest.approx(1 / (f + (1 - f) / int(n)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Data loading
+
+
+def test_data_loading_shards_and_memmap(tmp_path):
+    run_torchrun(DATA, "--images", "64", "--epochs", "1", "--batch-size", "8", "--workers", "1",
+                 "--json-out", tmp_path / "rows.json", "--check-out", tmp_path / "check.pt")
+    check = torch.load(tmp_path / "check.pt", weights_only=True)
+    # The memory-mapped rows are exactly the decoded + resized images (uint8, bit for bit).
+    torch.testing.assert_close(check["memmap"], check["decoded"], rtol=0, atol=0)
+    # DistributedSampler: the two ranks' shards are disjoint and cover the dataset.
+    seen = check["indices_per_rank"]
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == list(range(64))
+    rows = read_json(tmp_path / "rows.json")
+    assert [r["num_workers"] for r in rows] == [0, 1, 0, 1]
+    for r in rows:
+        assert 0 <= r["data_wait_fraction"] <= 1
+        assert r["data_wait_fraction"] == pytest.approx(
+            r["data_wait_s"] / (r["data_wait_s"] + r["compute_s"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Hang debugging: every bug ends with its message, inside the timeout, never hangs
+
+TIMEOUT_S = 3
+# In-script margin: the error must come within the timeout plus 2 s (gloo's timer and the
+# monitored barrier fire at the timeout; 2 s covers scheduling on a loaded 2-core machine).
+MARGIN_S = 2
+# Whole launch: plus start-up of torchrun and two Python processes importing torch, which takes
+# up to ~30 s on this shared 2-core machine; a real hang would run into the 240 s kill instead.
+LAUNCH_MARGIN_S = 90
+HANG_CASES = {
+    "mismatch": r"Detected mismatch between collectives.*Op type: (ALLREDUCE ?vs ?BROADCAST|"
+                r"BROADCAST ?vs ?ALLREDUCE)",
+    "missing-rank": r"Ranks? 1 failed to pass monitoredBarrier in 3000 ms",
+    "shape": r"Detected mismatch between collectives.*shapes: (4 ?vs ?3|3 ?vs ?4)",
+    "p2p-deadlock": r"Timed out waiting 3000ms for recv operation",
+}
+
+
+@pytest.mark.parametrize("bug", list(HANG_CASES))
+def test_hang_bug_exits_with_its_message_within_timeout(bug):
+    result = run_torchrun(HANG, "--bug", bug, "--timeout-s", str(TIMEOUT_S), check=False,
+                          timeout=240)
+    assert result.returncode != 0, result.describe()
+    assert result.elapsed < TIMEOUT_S + LAUNCH_MARGIN_S, result.describe()
+    errors = [line for line in result.stderr_lines() if re.match(r"\[rank \d\] error after", line)]
+    assert errors, result.describe()
+    assert any(re.search(HANG_CASES[bug], line) for line in errors), result.describe()
+    for line in errors:
+        seconds = float(re.search(r"error after ([\d.]+) s", line).group(1))
+        assert seconds <= TIMEOUT_S + MARGIN_S, line
+    if bug in ("missing-rank", "p2p-deadlock"):
+        # The stack dump shows where the waiting ranks are stuck.
+        assert result.stderr.count(f"in bug_{bug.replace('-', '_')}") >= 2, result.describe()
