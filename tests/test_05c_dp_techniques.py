@@ -10,7 +10,10 @@ import re
 import pytest
 import torch
 
-from conftest import assert_state_dicts_close, load_export, read_json, run_python, run_torchrun
+from conftest import (REPO, assert_state_dicts_close, load_export, read_json, readme_mentions,
+                      run_python, run_readme_command, run_torchrun)
+
+DOCS = sorted((REPO / "05-advanced").rglob("*.md"))
 
 ACCUM = "05-advanced/gradient_accumulation.py"
 OVERLAP = "05-advanced/communication_overlap.py"
@@ -262,7 +265,7 @@ def test_data_loading_shards_and_memmap(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # Hang debugging: every bug ends with its message, inside the timeout, never hangs
 
-TIMEOUT_S = 3
+TIMEOUT_S = 5  # hang_debugging.py's default --timeout-s, as in the README commands
 # In-script margin: the error must come within the timeout plus 2 s (gloo's timer and the
 # monitored barrier fire at the timeout; 2 s covers scheduling on a loaded 2-core machine).
 MARGIN_S = 2
@@ -272,17 +275,26 @@ LAUNCH_MARGIN_S = 90
 HANG_CASES = {
     "mismatch": r"Detected mismatch between collectives.*Op type: (ALLREDUCE ?vs ?BROADCAST|"
                 r"BROADCAST ?vs ?ALLREDUCE)",
-    "missing-rank": r"Ranks? 1 failed to pass monitoredBarrier in 3000 ms",
+    "missing-rank": r"Ranks? 1 failed to pass monitoredBarrier in 5000 ms",
     "shape": r"Detected mismatch between collectives.*shapes: (4 ?vs ?3|3 ?vs ?4)",
-    "p2p-deadlock": r"Timed out waiting 3000ms for recv operation",
+    "p2p-deadlock": r"Timed out waiting 5000ms for recv operation",
+}
+# The section's commands, run verbatim (so test_readmes.py does not run them again).
+HANG_COMMANDS = {
+    "mismatch": "torchrun --nproc_per_node=2 05-advanced/hang_debugging.py --bug mismatch  # exits 1",
+    "missing-rank": "torchrun --nproc_per_node=2 05-advanced/hang_debugging.py --bug missing-rank"
+                    "  # exits 1",
+    "shape": "torchrun --nproc_per_node=2 05-advanced/hang_debugging.py --bug shape  # exits 1",
+    "p2p-deadlock": "torchrun --nproc_per_node=2 05-advanced/hang_debugging.py --bug p2p-deadlock"
+                    "  # exits 1",
 }
 
 
 @pytest.mark.parametrize("bug", list(HANG_CASES))
 def test_hang_bug_exits_with_its_message_within_timeout(bug):
-    result = run_torchrun(HANG, "--bug", bug, "--timeout-s", str(TIMEOUT_S), check=False,
-                          timeout=240)
-    assert result.returncode != 0, result.describe()
+    command = HANG_COMMANDS[bug]
+    assert any(readme_mentions(doc, command) for doc in DOCS), command
+    result = run_readme_command(command, timeout=240)  # asserts exit status 1
     assert result.elapsed < TIMEOUT_S + LAUNCH_MARGIN_S, result.describe()
     errors = [line for line in result.stderr_lines() if re.match(r"\[rank \d\] error after", line)]
     assert errors, result.describe()
