@@ -167,6 +167,28 @@ def run_together(cmds: list[list], *, timeout: float = 120, env: dict | None = N
     return results
 
 
+def run_ranks(script: str, *args, world: int = 2, timeout: float = 60,
+              env: dict | None = None) -> list[Result]:
+    """Start `world` ranks of `python script.py` directly, with the variables torchrun would set.
+
+    No launcher stands between the test and the ranks, so each rank's own exit status and stderr
+    can be checked (torchrun would replace them with its own summary).
+    """
+    port = free_port()
+    cmds, envs = [], []
+    for rank in range(world):
+        cmds.append([PYTHON, script, *args])
+        envs.append({**(env or {}), "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world,
+                     "LOCAL_WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+    t0 = time.monotonic()
+    procs = [start(c, env=e) for c, e in zip(cmds, envs)]
+    try:
+        return [finish(p, c, timeout=timeout, t0=t0, check=False) for p, c in zip(procs, cmds)]
+    finally:
+        for proc in procs:
+            _kill_group(proc)
+
+
 def run_deepspeed(script: str, *args, num_gpus: int = 2, **kw) -> Result:
     """`deepspeed --num_gpus N script.py ...` (on CPU DeepSpeed picks its CPU accelerator + gloo)."""
     return launch(["deepspeed", f"--num_gpus={num_gpus}", f"--master_port={free_port()}",
