@@ -2,12 +2,19 @@
 tokens sent to their experts and brought back by two all-to-alls.
 
 Launch (from the repository root):
-    python 05-advanced/expert_parallel.py                                  # 1 process, all 8 experts
-    torchrun --nproc_per_node=2 05-advanced/expert_parallel.py             # 4 experts per rank
-    torchrun --nproc_per_node=4 05-advanced/expert_parallel.py --top-k 1 --capacity-factor 1.0
+    python 05-advanced/expert_parallel.py                          # 1 process, all 8 experts
+    torchrun --nproc_per_node=2 05-advanced/expert_parallel.py     # 4 experts per rank
+    torchrun --nproc_per_node=4 05-advanced/expert_parallel.py --top-k 1 --capacity-factor 1
 
-Expected output: see the README section 05-advanced/sections/pipeline_experts_ring.md (pasted
-from a real run on a 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo).
+Output of `torchrun --nproc_per_node=2 05-advanced/expert_parallel.py` (2-core AMD EPYC CPU,
+shared; torch 2.14.1, gloo):
+    experts 8 over 2 rank(s) (4 each) | top-2 | capacity 5 slots per expert per group of 16
+        tokens | global batch 128 | each all-to-all sends 20480 bytes per rank
+    step   1/20 | loss 2.4253 | tokens per expert [38, 27, 20, 25, 34, 38, 31, 43] | dropped
+        17 of 256
+    ...
+    step  20/20 | loss 1.3933 | tokens per expert [23, 45, 29, 21, 43, 30, 29, 36] | dropped
+        17 of 256
 
 One MoE layer, per group of S tokens (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021):
 
@@ -188,8 +195,8 @@ def route(probs, top_k: int, capacity: int):
 
 
 class MoELayer(nn.Module):
-    """Top-k mixture of experts; this rank holds the experts named in `local_experts`. With all
-    experts local (one process) the all-to-alls are identities and this is the plain MoE."""
+    """Top-k mixture of experts. Built with all E experts; `keep_experts` leaves a rank its own
+    E / W. With all experts local (one process) the all-to-alls are identities: the plain MoE."""
 
     def __init__(self, hidden, ffn, experts, top_k, capacity_factor, group_size):
         super().__init__()
@@ -294,9 +301,10 @@ def train(args, rank, world, device):
     groups = args.batch_size // args.group_size
     a2a_bytes = (world - 1) * per_rank_experts * groups * C * args.hidden * 4
     if rank == 0:
-        print(f"experts {args.experts} over {world} rank(s) ({per_rank_experts} each) | top-{args.top_k}"
-              f" | capacity {C} slots per expert per group of {args.group_size} tokens | global "
-              f"batch {global_bs} | each all-to-all sends {a2a_bytes} bytes per rank", flush=True)
+        print(f"experts {args.experts} over {world} rank(s) ({per_rank_experts} each) | "
+              f"top-{args.top_k} | capacity {C} slots per expert per group of "
+              f"{args.group_size} tokens | global batch {global_bs} | each all-to-all sends "
+              f"{a2a_bytes} bytes per rank", flush=True)
 
     losses, t_start = [], None
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

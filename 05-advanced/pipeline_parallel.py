@@ -3,16 +3,24 @@ micro-batches, and the schedules that decide who computes what when: GPipe and 1
 hand with send/recv, and the same (plus interleaved 1F1B) with torch.distributed.pipelining.
 
 Launch (from the repository root):
-    python 05-advanced/pipeline_parallel.py                                     # p = 1: the unsplit model
-    torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py                # 1F1B by hand, p = 4, m = 8
-    torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --schedule gpipe --layer-ms 5 \\
-        --timeline runs/pp_gpipe.png                                            # fixed-cost stages + picture
+    python 05-advanced/pipeline_parallel.py                       # p = 1: the unsplit model
+    torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py  # 1F1B by hand, p = 4, m = 8
+    torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --schedule gpipe \\
+        --layer-ms 25 --timeline runs/pp_gpipe.png                # fixed-cost stages, picture
     torchrun --nproc_per_node=2 05-advanced/pipeline_parallel.py --impl torch --schedule interleaved
-    torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --sweep 1-16 --layer-ms 5 \\
-        --metrics-out runs/pp_sweep_p4.json --plot runs/pp_bubble_p4.png        # bubble vs formula
+    torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py --sweep 1-16 --sweep-p 2,4 \\
+        --layer-ms 25 --metrics-out runs/pp_sweep.json --plot runs/pp_bubble.png  # vs formula
 
-Expected output (torchrun --nproc_per_node=4, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
-    see the README section 05-advanced/sections/pipeline_experts_ring.md (pasted from a real run).
+Output of `torchrun --nproc_per_node=4 05-advanced/pipeline_parallel.py` (2-core AMD EPYC CPU,
+shared; torch 2.14.1, gloo); `python` gives the same losses with p = 1:
+    pipeline: p = 4 rank(s) x v = 1 stage(s) | 8 layers | schedule 1f1b (manual) | batch 48 = ...
+    step    1/20 | loss 2.3241
+    ...
+    step   20/20 | loss 1.1809
+    last step: bubble 0.713 measured (mean over ranks) vs 0.273 = (p-1)/(m+p-1) | micro-batches
+        held per rank [4, 3, 2, 1] | peak activations per rank (KiB) [75.4, 54.3, 36.2, 19.6]
+(the bubble exceeds the formula when transfers outweigh this toy model's compute; with
+--layer-ms 25 it measures 0.285; see the README section pipeline_experts_ring.md).
 
 The mechanism, for p = 4 stages and m = 4 micro-batches (F = forward, B = backward, . = idle):
 
@@ -98,6 +106,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep", type=parse_int_list, metavar="LIST",
                    help="measure instead of train: one step of every implementation and schedule "
                         f"for each m in LIST (micro-batches of {SWEEP_ROWS_PER_MICROBATCH} rows)")
+    p.add_argument("--sweep-p", type=parse_int_list, metavar="LIST",
+                   help="with --sweep: pipeline sizes to measure, each on ranks 0..p-1 "
+                        "(default: the world size)")
     p.add_argument("--plot", type=Path, help="with --sweep: rank 0 draws bubble and memory vs m")
     p.add_argument("--check-out", type=Path,
                    help="rank 0 saves the first step's loss and consolidated gradients (tests)")
@@ -111,8 +122,8 @@ def parse_args(argv=None):
         fail("--layer-ms must be >= 0, --lr and --timeout-s positive")
     if args.sweep is not None and min(args.sweep) < 1:
         fail(f"--sweep micro-batch counts must be at least 1, got {min(args.sweep)}")
-    if args.plot and args.sweep is None:
-        fail("--plot draws a --sweep; use --timeline for one run")
+    if (args.plot or args.sweep_p) and args.sweep is None:
+        fail("--plot and --sweep-p go with --sweep; use --timeline for one run")
     return args
 
 
@@ -273,7 +284,7 @@ class ActivationMeter:
 
 class _Saved:
     """What autograd keeps instead of the tensor; freed with the graph, it tells the meter."""
-    __slots__ = ("tensor", "meter", "key")
+    __slots__ = ("key", "meter", "tensor")
 
     def __init__(self, tensor, meter, key):
         self.tensor, self.meter, self.key = tensor, meter, key
@@ -498,12 +509,17 @@ def one_f_one_b(run: ManualStage, link: Link, p: int, rank: int, m: int):
 # The same schedules with torch.distributed.pipelining
 
 
-def torch_schedule(stages, schedule: str, p: int, m: int, rows: int, hidden: int, device):
+def torch_schedule(stages, schedule: str, p: int, m: int, rows: int, hidden: int, device,
+                   group=None):
     """Wrap our Stage modules in PipelineStage and pick the library's schedule. The example
     input/output tensors give the P2P buffer shapes up front (no shape-inference pass); their
     requires_grad tells the library which gradients travel back (all but the data's)."""
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
     n = p * len(stages)
     pipe_stages = []
     for st in stages:
@@ -513,13 +529,17 @@ def torch_schedule(stages, schedule: str, p: int, m: int, rows: int, hidden: int
             st, st.index, n, device,
             input_args=(torch.empty(rows, width_in, device=device,
                                     requires_grad=st.embed is None),),
-            output_args=(torch.empty(rows, width_out, device=device, requires_grad=True),)))
+            output_args=(torch.empty(rows, width_out, device=device, requires_grad=True),),
+            group=group))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
            "interleaved": ScheduleInterleaved1F1B}[schedule]
     # torch >= 2.7 divides gradients by m unless scale_grads=False; older versions never do.
     # micro_loss already divides by m, so we switch the library's scaling off where it exists.
     extra = {"scale_grads": False} if "scale_grads" in inspect.signature(cls).parameters else {}
-    loss_fn = lambda logits, target: micro_loss(logits, target, m)  # noqa: E731
+
+    def loss_fn(logits, target):
+        return micro_loss(logits, target, m)
+
     if schedule == "interleaved":
         return cls(pipe_stages, n_microbatches=m, loss_fn=loss_fn, **extra)
     return cls(pipe_stages[0], n_microbatches=m, loss_fn=loss_fn, **extra)
@@ -531,8 +551,10 @@ def torch_schedule(stages, schedule: str, p: int, m: int, rows: int, hidden: int
 
 class Pipeline:
     def __init__(self, args, impl: str, schedule: str, m: int, batch: int, rank: int, p: int,
-                 device):
+                 device, group=None):
+        """The pipeline of ranks 0..p-1; `group` is their process group (None: all ranks)."""
         self.impl, self.schedule, self.m, self.rank, self.p = impl, schedule, m, rank, p
+        self.group = group
         self.v = virtual_stages(schedule, args.virtual_stages if args.sweep is None else 0)
         self.stages, self.recorder = build_stages(args, p, self.v, rank)
         for st in self.stages:
@@ -541,7 +563,7 @@ class Pipeline:
         self.link = Link(rank, p, (self.rows, args.hidden), device)
         if impl == "torch":
             self.torch_sched = torch_schedule(self.stages, schedule, p, m, self.rows, args.hidden,
-                                              device)
+                                              device, group)
 
     def parameters(self):
         return [q for st in self.stages for q in st.parameters()]
@@ -553,7 +575,7 @@ class Pipeline:
         for st in self.stages:
             st.cost_s = st.layer_cost_s if fixed_cost else 0.0
         x, y = x.to(self.device), y.to(self.device)
-        dist.barrier()  # every rank starts the clock together: the step's window
+        dist.barrier(group=self.group)  # every stage starts the clock together: the step's window
         self.recorder.reset()
         if self.impl == "manual":
             run = ManualStage(self.stages[0], self.link, x.chunk(self.m), y.chunk(self.m), self.m)
@@ -569,7 +591,7 @@ class Pipeline:
             self.torch_sched.step(*([x] if first else []), target=y if last else None,
                                   losses=losses if last else None)
             loss = torch.stack(losses).sum().detach() if last else None
-        dist.barrier()
+        dist.barrier(group=self.group)
         self.window_s = self.recorder.now()
         return loss
 
@@ -637,40 +659,41 @@ def draw_timeline(path: Path, per_rank, title: str):
     plt.close(fig)
 
 
-def draw_sweep(path: Path, rows, p: int, title: str):
-    """Left: measured bubble per schedule vs the formulas. Right: activation memory on rank 0."""
+def draw_sweep(path: Path, rows, title: str):
+    """One row of panels per pipeline size p. Left: measured bubble per schedule vs the formulas.
+    Right: activation memory held by rank 0."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
-    ms = sorted({r["m"] for r in rows})
-    grid = [m / 4 for m in range(4, 4 * max(ms) + 1)]
-    ax1.plot(grid, [(p - 1) / (m + p - 1) for m in grid], "k-", lw=1, label="(p-1)/(m+p-1)")
-    vs = sorted({r["v"] for r in rows if r["v"] > 1})
-    for v in vs:
-        ax1.plot(grid, [(p - 1) / (v * m + p - 1) for m in grid], "k--", lw=1,
-                 label=f"(p-1)/({v}m+p-1)")
+    ps = sorted({r["p"] for r in rows})
+    fig, axes = plt.subplots(len(ps), 2, figsize=(12, 4.2 * len(ps)), squeeze=False)
     markers = {"gpipe": "o", "1f1b": "s", "interleaved": "^"}
-    for (impl, sched) in sorted({(r["impl"], r["schedule"]) for r in rows}):
-        pts = [r for r in rows if r["impl"] == impl and r["schedule"] == sched]
-        ax1.plot([r["m"] for r in pts], [r["bubble"] for r in pts], markers[sched],
-                 mfc="none" if impl == "torch" else None, ms=6, label=f"{impl} {sched}")
-        ax2.plot([r["m"] for r in pts], [r["per_rank"][0]["peak_activation_bytes"] / 1024
-                                         for r in pts], markers[sched] + "-",
-                 mfc="none" if impl == "torch" else None, label=f"{impl} {sched}")
-    ax1.set_xlabel("micro-batches m")
-    ax1.set_ylabel("bubble: idle share of the step")
-    ax1.set_title(f"measured bubble vs formula, p = {p}", fontsize=9)
-    ax1.legend(fontsize=7)
-    ax2.set_xlabel("micro-batches m")
-    ax2.set_ylabel("peak activations held by rank 0 (KiB)")
-    ax2.set_title(f"activation memory, {SWEEP_ROWS_PER_MICROBATCH} rows per micro-batch",
-                  fontsize=9)
-    ax2.legend(fontsize=7)
+    for (ax1, ax2), p in zip(axes, ps):
+        mine = [r for r in rows if r["p"] == p]
+        grid = [m / 4 for m in range(4, 4 * max(r["m"] for r in mine) + 1)]
+        ax1.plot(grid, [(p - 1) / (m + p - 1) for m in grid], "k-", lw=1, label="(p-1)/(m+p-1)")
+        for v in sorted({r["v"] for r in mine if r["v"] > 1}):
+            ax1.plot(grid, [(p - 1) / (v * m + p - 1) for m in grid], "k--", lw=1,
+                     label=f"(p-1)/({v}m+p-1)")
+        for impl, sched in sorted({(r["impl"], r["schedule"]) for r in mine}):
+            pts = [r for r in mine if r["impl"] == impl and r["schedule"] == sched]
+            style = {"mfc": "none" if impl == "torch" else None, "label": f"{impl} {sched}"}
+            ax1.plot([r["m"] for r in pts], [r["bubble"] for r in pts], markers[sched], ms=6,
+                     **style)
+            ax2.plot([r["m"] for r in pts],
+                     [r["per_rank"][0]["peak_activation_bytes"] / 1024 for r in pts],
+                     markers[sched] + "-", **style)
+        ax1.set(xlabel="micro-batches m", ylabel="bubble: idle share of the step",
+                title=f"measured bubble vs formula, p = {p}")
+        ax2.set(xlabel="micro-batches m", ylabel="peak activations held by rank 0 (KiB)",
+                title=f"activation memory, p = {p}, {SWEEP_ROWS_PER_MICROBATCH} rows per "
+                      "micro-batch")
+        ax1.legend(fontsize=7)
+        ax2.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -685,8 +708,12 @@ def main(argv=None):
     if args.sweep is None:
         why = unsupported(args.impl, args.schedule, world, v, args.microbatches, args.layers,
                           args.batch_size)
-    else:  # every m must fit the model; schedules that refuse an m are skipped and listed
-        why = too_few_layers(world, 2, args.layers) if 2 * world > args.layers else None
+    else:  # every p must fit the model; schedules that refuse an m are skipped and listed
+        args.sweep_p = args.sweep_p or [world]
+        why = next((f"--sweep-p {p} must lie between 1 and the world size {world}"
+                    for p in args.sweep_p if not 1 <= p <= world), None)
+        p = max(args.sweep_p)
+        why = why or (too_few_layers(p, 2, args.layers) if 2 * p > args.layers else None)
         if args.virtual_stages:
             why = why or "--sweep runs every schedule (v = 2 for interleaved): drop " \
                          "--virtual-stages"
@@ -707,9 +734,9 @@ def train(args, rank, world, device):
     pipe = Pipeline(args, args.impl, args.schedule, m, args.batch_size, rank, p, device)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=0.01)
     if rank == 0:
-        print(f"pipeline: p = {p} rank(s) x v = {pipe.v} stage(s) | {args.layers} layers | schedule "
-              f"{args.schedule} ({args.impl}) | batch {args.batch_size} = {m} micro-batches of "
-              f"{pipe.rows} | device {device}", flush=True)
+        print(f"pipeline: p = {p} rank(s) x v = {pipe.v} stage(s) | {args.layers} layers | "
+              f"schedule {args.schedule} ({args.impl}) | batch {args.batch_size} = {m} "
+              f"micro-batches of {pipe.rows} | device {device}", flush=True)
     losses, t_start = [], None
     for step in range(args.steps):
         if step == 1:
@@ -717,15 +744,14 @@ def train(args, rank, world, device):
         x, y = global_batch(args.seed, step, args.batch_size)
         loss = pipe.step(x, y)
         if step == 0 and args.check_out:
-            save_check(args.check_out, {"loss": loss, "grads": pipe.full_state(grads=True)},
-                       rank, world)
+            save_check(args.check_out, loss, pipe.full_state(grads=True), rank, world, device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         # The loss lives on the last stage: one broadcast brings it to rank 0 for the log.
         report = loss.reshape(1) if loss is not None else torch.zeros(1, device=device)
         dist.broadcast(report, src=world - 1)
         losses.append(report.item())
-        if rank == 0 and ((step + 1) % 5 == 0 or step == 0):
+        if rank == 0 and ((step + 1) % 5 == 0 or step in (0, args.steps - 1)):
             print(f"step {step + 1:4d}/{args.steps} | loss {losses[-1]:.4f}", flush=True)
     elapsed = time.perf_counter() - t_start if t_start else float("nan")
     samples_per_s = (args.steps - 1) * args.batch_size / elapsed if t_start else float("nan")
@@ -772,52 +798,29 @@ def memory_bytes(pipe, optimizer, device):
 
 
 def sweep(args, rank, world, device):
-    """One step of every implementation and schedule for each m: measured bubble, micro-batches
-    held and activation bytes per rank, the loss and (with --check-out) the gradients."""
-    p, rows, checks = world, [], {}
-    for impl in ("manual", "torch"):
-        for schedule in SCHEDULES:
-            for m in args.sweep:
-                batch = SWEEP_ROWS_PER_MICROBATCH * m
-                why = unsupported(impl, schedule, p, virtual_stages(schedule, 0), m, args.layers,
-                                  batch)
-                if why:
-                    rows.append({"impl": impl, "schedule": schedule, "m": m, "skipped": why})
-                    continue
-                pipe = Pipeline(args, impl, schedule, m, batch, rank, p, device)
-                x, y = global_batch(args.seed, 0, batch)
-                pipe.step(x, y, fixed_cost=False)  # warm-up (first-call costs), untimed
-                for q in pipe.parameters():
-                    q.grad = None
-                loss = pipe.step(x, y)
-                mine = pipe.measured()
-                mine.pop("events")  # the sweep keeps the numbers; --timeline draws one run
-                per_rank = gather_to_rank0(mine, rank, world)
-                if args.check_out:
-                    grads = gather_to_rank0(pipe.full_state(grads=True), rank, world)
-                    report = loss.reshape(1) if loss is not None else torch.zeros(1)
-                    dist.broadcast(report, src=world - 1)
-                    if rank == 0:
-                        checks[f"{impl}/{schedule}/m{m}"] = {"loss": report.item(), "batch": batch,
-                                                             "grads": merge(grads)}
-                if rank == 0:
-                    bubble = sum(r["bubble"] for r in per_rank) / world
-                    rows.append({"impl": impl, "schedule": schedule, "m": m, "v": pipe.v,
-                                 "bubble": bubble, "formula": pipe.formula(),
-                                 "per_rank": per_rank})
-                    print(f"{impl:6s} {schedule:11s} p={p} v={pipe.v} m={m:2d} | bubble "
-                          f"{bubble:.3f} measured, {pipe.formula():.3f} formula | held "
-                          f"{[r['peak_held_microbatches'] for r in per_rank]} | rank 0 "
-                          f"activations {per_rank[0]['peak_activation_bytes'] / 1024:.1f} KiB",
-                          flush=True)
+    """One step of every implementation and schedule for each p and m: measured bubble,
+    micro-batches held and activation bytes per rank, the loss and (with --check-out) the
+    gradients. A pipeline of p < world ranks runs on ranks 0..p-1; the others wait for it in the
+    gathers below (every rank joins those)."""
+    rows, checks = [], {}
+    for p in args.sweep_p:
+        # collective over all ranks, even those that sit this p out
+        group = dist.new_group(list(range(p))) if p < world else None
+        for impl in ("manual", "torch"):
+            for schedule in SCHEDULES:
+                for m in args.sweep:
+                    row, check = sweep_one(args, rank, world, device, p, group, impl, schedule, m)
+                    rows.append(row)
+                    if check:
+                        checks[f"p{p}/{impl}/{schedule}/m{m}"] = check
     if rank == 0:
         for r in rows:
             if "skipped" in r:
-                print(f"skipped {r['impl']} {r['schedule']} m={r['m']}: {r['skipped']}")
-        title = (f"p = {p} ranks, {args.layers} layers, {args.layer_ms:g} ms per layer forward "
-                 f"(x2 backward); torch {torch.__version__}, {device}, {dist.get_backend()}")
+                print(f"skipped {r['impl']} {r['schedule']} p={r['p']} m={r['m']}: {r['skipped']}")
+        title = (f"{args.layers} layers, {args.layer_ms:g} ms per layer forward (x2 backward); "
+                 f"torch {torch.__version__}, {device}, {dist.get_backend()}")
         if args.plot:
-            draw_sweep(args.plot, [r for r in rows if "skipped" not in r], p, title)
+            draw_sweep(args.plot, [r for r in rows if "skipped" not in r], title)
         if args.check_out:
             atomic_save(checks, args.check_out)
         if args.metrics_out:
@@ -829,9 +832,47 @@ def sweep(args, rank, world, device):
     dist.barrier()
 
 
-def save_check(path, local, rank, world):
-    parts = gather_to_rank0(local["grads"], rank, world)
-    report = local["loss"].reshape(1) if local["loss"] is not None else torch.zeros(1)
+def sweep_one(args, rank, world, device, p, group, impl, schedule, m):
+    """Rank 0's row (and check tensors) for one configuration; None elsewhere."""
+    batch = SWEEP_ROWS_PER_MICROBATCH * m
+    why = unsupported(impl, schedule, p, virtual_stages(schedule, 0), m, args.layers, batch)
+    if why:  # every rank reaches the same verdict
+        return {"p": p, "impl": impl, "schedule": schedule, "m": m, "skipped": why}, None
+    mine = grads = loss = None
+    if rank < p:
+        pipe = Pipeline(args, impl, schedule, m, batch, rank, p, device, group)
+        x, y = global_batch(args.seed, 0, batch)
+        pipe.step(x, y, fixed_cost=False)  # warm-up (first-call costs), untimed
+        for q in pipe.parameters():
+            q.grad = None
+        loss = pipe.step(x, y)
+        mine = pipe.measured()
+        mine.pop("events")  # the sweep keeps the numbers; --timeline draws one run
+        grads = pipe.full_state(grads=True) if args.check_out else None
+    per_rank = [r for r in gather_to_rank0(mine, rank, world) or [] if r is not None]
+    parts = gather_to_rank0(grads, rank, world) if args.check_out else None
+    # the loss lives on the last stage (NCCL broadcasts device tensors: keep it on the device)
+    report = loss.reshape(1) if loss is not None else torch.zeros(1, device=device)
+    dist.broadcast(report, src=p - 1)
+    if rank != 0:
+        return None, None
+    bubble = sum(r["bubble"] for r in per_rank) / p
+    v = virtual_stages(schedule, 0)
+    formula = (p - 1) / (v * m + p - 1)
+    print(f"{impl:6s} {schedule:11s} p={p} v={v} m={m:2d} | bubble {bubble:.3f} measured, "
+          f"{formula:.3f} formula | held {[r['peak_held_microbatches'] for r in per_rank]} | "
+          f"rank 0 activations {per_rank[0]['peak_activation_bytes'] / 1024:.1f} KiB", flush=True)
+    row = {"p": p, "impl": impl, "schedule": schedule, "m": m, "v": v, "bubble": bubble,
+           "formula": formula, "per_rank": per_rank}
+    check = {"loss": report.item(), "batch": batch,
+             "grads": merge([g for g in parts if g is not None])} if args.check_out else None
+    return row, check
+
+
+def save_check(path, loss, grads, rank, world, device):
+    """Rank 0 saves the loss (held by the last stage) and the consolidated gradients."""
+    parts = gather_to_rank0(grads, rank, world)
+    report = loss.reshape(1) if loss is not None else torch.zeros(1, device=device)
     dist.broadcast(report, src=world - 1)
     if rank == 0:
         atomic_save({"loss": report.item(), "grads": merge(parts)}, path)

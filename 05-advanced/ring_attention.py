@@ -4,11 +4,16 @@ whole sequence's keys, values or score matrix.
 
 Launch (from the repository root):
     python 05-advanced/ring_attention.py                                   # 1 rank: plain attention
-    torchrun --nproc_per_node=4 05-advanced/ring_attention.py              # T = 1024 over 4 ranks
-    torchrun --nproc_per_node=3 05-advanced/ring_attention.py --seq-lens 37,50 --repeats 1
+    torchrun --nproc_per_node=4 05-advanced/ring_attention.py              # T = 512 over 4 ranks
+    torchrun --nproc_per_node=4 05-advanced/ring_attention.py --ring-sizes 2,3,4 --seq-lens 37,50
 
-Expected output: see the README section 05-advanced/sections/pipeline_experts_ring.md (pasted
-from a real run on a 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo).
+Output of `torchrun --nproc_per_node=2 05-advanced/ring_attention.py` (2-core AMD EPYC CPU,
+shared; torch 2.14.1, gloo; timings vary with the machine's load):
+    ring attention | batch 1 x 4 heads x head_dim 32 | float32 | device cpu
+    W=2 T=  512 full   | max |ring - full| (out, dq, dk, dv) 1.1e-06 | overlap == no overlap:
+        True | fwd+bwd median of 3: overlap 40.6 ms, no overlap 36.2 ms, ratio 0.89; transfers
+        alone 9.3 ms
+    W=2 T=  512 causal | max |ring - full| (out, dq, dk, dv) 1.7e-06 | ...
 
 Rank r holds positions [r T / W, (r + 1) T / W) of q, k, v: (batch, heads, T_r, head_dim).
 Forward, W steps; at step s rank r holds the key/value block of rank (r - s) mod W:
@@ -53,9 +58,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.error = fail  # argparse's own errors too: one line, exit 2
-    p.add_argument("--seq-lens", default="1024",
+    p.add_argument("--seq-lens", default="512",
                    help="comma-separated sequence lengths; each is split over the ranks")
     p.add_argument("--mask", choices=["causal", "none", "both"], default="both")
+    p.add_argument("--ring-sizes", default="",
+                   help="comma-separated ring sizes W, each run on ranks 0..W-1 in turn "
+                        "(default: one ring of all ranks)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=32)
@@ -70,8 +78,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     try:
         args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
+        args.ring_sizes = [int(w) for w in args.ring_sizes.split(",")] if args.ring_sizes else []
     except ValueError:
-        fail(f"--seq-lens expects integers like 1024 or 37,50, got {args.seq_lens!r}")
+        fail(f"--seq-lens and --ring-sizes expect integers like 512 or 37,50, got "
+             f"{args.seq_lens!r} and {args.ring_sizes!r}")
     for name in ("batch", "heads", "head_dim", "repeats"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -278,9 +288,12 @@ def ring_traffic_only(k, T, ring):
 def main(argv=None):
     args = parse_args(argv)
     rank, world, device = init_distributed(args.device)
-    if min(args.seq_lens) < world:
-        fail(f"--seq-lens {min(args.seq_lens)} is shorter than the world size {world}: every "
-             "rank needs at least one position")
+    args.ring_sizes = args.ring_sizes or [world]
+    if not all(1 <= w <= world for w in args.ring_sizes):
+        fail(f"--ring-sizes {args.ring_sizes} must lie between 1 and the world size {world}")
+    if min(args.seq_lens) < max(args.ring_sizes):
+        fail(f"--seq-lens {min(args.seq_lens)} is shorter than the ring of "
+             f"{max(args.ring_sizes)} ranks: every rank needs at least one position")
     start_process_group(device, args.timeout_s)
     try:
         run(args, rank, world, device)
@@ -295,68 +308,21 @@ def gather_to_rank0(obj, rank, world):
 
 
 def run(args, rank, world, device):
-    ring = Ring(rank, world)
     masks = {"causal": [True], "none": [False], "both": [False, True]}[args.mask]
     results, checks = [], {}
     if rank == 0:
-        print(f"ring attention over {world} rank(s) | batch {args.batch} x {args.heads} heads x "
-              f"head_dim {args.head_dim} | float32 | device {device}", flush=True)
-    for T in args.seq_lens:
-        q, k, v, dout = make_inputs(args.seed, T, args.batch, args.heads, args.head_dim, device)
-        lo, hi = bounds(T, world, rank)
-        mine = [t[:, :, lo:hi] for t in (q, k, v, dout)]    # this rank's block of the sequence
-        for causal in masks:
-            got = run_ring(*mine, T, causal, True, ring)
-            plain = run_ring(*mine, T, causal, False, ring)  # the same arithmetic, no overlap
-            times = {True: [], False: [], "traffic": []}
-            for _ in range(args.repeats):                    # alternate, so drift hits all
-                for overlap in (True, False, "traffic"):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    if overlap == "traffic":
-                        ring_traffic_only(mine[1], T, ring)
-                    else:
-                        run_ring(*mine, T, causal, overlap, ring)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    took = torch.tensor([time.perf_counter() - t0])
-                    dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                    times[overlap].append(took.item())
-            parts = gather_to_rank0([t.cpu() for t in got + plain], rank, world)
-            if rank == 0:
-                ring_out = [torch.cat([p[i] for p in parts], dim=2) for i in range(8)]
-                # Reference on one process: the full (B, H, T, T) attention, which the ring never
-                # builds (fine for checking at these sizes).
-                ref = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
-                full = F.scaled_dot_product_attention(*ref, is_causal=causal)
-                full.backward(dout.cpu())
-                expect = [full.detach()] + [t.grad for t in ref]
-                err = max((a - b).abs().max().item() for a, b in zip(ring_out[:4], expect))
-                same = all(torch.equal(a, b) for a, b in zip(ring_out[:4], ring_out[4:]))
-                t_on, t_off = statistics.median(times[True]), statistics.median(times[False])
-                t_comm = statistics.median(times["traffic"])
-                # bytes of the block of rank j; rank 0 forwards blocks 0, W-1, ..., 2 (W-1 hops)
-                # of k and v; backward: those again, plus (dk, dv) of every block once
-                block = [(bounds(T, world, j)[1] - bounds(T, world, j)[0]) * args.batch
-                         * args.heads * args.head_dim * 4 for j in range(world)]
-                hops = sum(block[(-s) % world] for s in range(world - 1))
-                row = {"seq_len": T, "causal": causal, "max_abs_err_vs_full": err,
-                       "overlap_equals_no_overlap": same, "overlap_s": t_on,
-                       "no_overlap_s": t_off, "ratio_no_overlap_over_overlap": t_off / t_on,
-                       "transfers_only_s": t_comm,
-                       "rank0_bytes_sent_fwd": 2 * hops,
-                       "rank0_bytes_sent_bwd": 2 * hops + (2 * sum(block) if world > 1 else 0)}
-                results.append(row)
-                print(f"T={T:5d} {'causal' if causal else 'full  '} | max |ring - full| "
-                      f"(out, dq, dk, dv) {err:.1e} | overlap == no overlap: {same} | fwd+bwd "
-                      f"median of {args.repeats}: overlap {t_on * 1e3:.1f} ms, no overlap "
-                      f"{t_off * 1e3:.1f} ms, ratio {t_off / t_on:.2f}; transfers alone "
-                      f"{t_comm * 1e3:.1f} ms", flush=True)
-                if args.check_out:
-                    checks[f"T{T}/{'causal' if causal else 'full'}"] = {
-                        "q": q.cpu(), "k": k.cpu(), "v": v.cpu(), "dout": dout.cpu(),
-                        "causal": causal, "out": ring_out[0], "dq": ring_out[1],
-                        "dk": ring_out[2], "dv": ring_out[3], "plain": ring_out[4:]}
+        print(f"ring attention | batch {args.batch} x {args.heads} heads x head_dim "
+              f"{args.head_dim} | float32 | device {device}", flush=True)
+    for W in args.ring_sizes:
+        # The ring is ranks 0 .. W-1; with W < world the other ranks sit this one out (they
+        # still join the barriers and gathers below, which run over every rank).
+        ring = Ring(rank, W) if rank < W else None
+        for T in args.seq_lens:
+            for causal in masks:
+                row, check = run_case(args, ring, rank, world, T, causal, device)
+                if rank == 0:
+                    results.append(row)
+                    checks[f"W{W}/T{T}/{'causal' if causal else 'full'}"] = check
     if rank == 0:
         if args.check_out:
             args.check_out.parent.mkdir(parents=True, exist_ok=True)
@@ -369,6 +335,65 @@ def run(args, rank, world, device):
                 "repeats": args.repeats, "device": str(device),
                 "torch_version": torch.__version__, "results": results}, indent=1))
     dist.barrier()
+
+
+def run_case(args, ring, rank, world, T, causal, device):
+    """One (ring size, length, mask): check against full attention, time with and without
+    overlap and the transfers alone. Returns rank 0's summary row and check tensors."""
+    q, k, v, dout = make_inputs(args.seed, T, args.batch, args.heads, args.head_dim, device)
+    got = plain = []
+    if ring is not None:
+        lo, hi = bounds(T, ring.world, rank)
+        mine = [t[:, :, lo:hi] for t in (q, k, v, dout)]   # this rank's block of the sequence
+        got = run_ring(*mine, T, causal, True, ring)
+        plain = run_ring(*mine, T, causal, False, ring)    # the same arithmetic, no overlap
+    times = {True: [], False: [], "traffic": []}
+    for _ in range(args.repeats):                          # alternate, so drift hits all three
+        for overlap in (True, False, "traffic"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if ring is not None and overlap == "traffic":
+                ring_traffic_only(mine[1], T, ring)
+            elif ring is not None:
+                run_ring(*mine, T, causal, overlap, ring)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            took = torch.tensor([time.perf_counter() - t0], device=device)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)    # the slowest rank sets the pace
+            times[overlap].append(took.item())
+    parts = gather_to_rank0([t.cpu() for t in got + plain], rank, world)
+    if rank != 0:
+        return None, None
+    W = len([p for p in parts if p])
+    ring_out = [torch.cat([p[i] for p in parts if p], dim=2) for i in range(8)]
+    # Reference on one process: the full (B, H, T, T) attention, which the ring never builds
+    # (fine for checking at these sizes).
+    ref = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    full = F.scaled_dot_product_attention(*ref, is_causal=causal)
+    full.backward(dout.cpu())
+    expect = [full.detach()] + [t.grad for t in ref]
+    err = max((a - b).abs().max().item() for a, b in zip(ring_out[:4], expect))
+    same = all(torch.equal(a, b) for a, b in zip(ring_out[:4], ring_out[4:]))
+    t_on, t_off = statistics.median(times[True]), statistics.median(times[False])
+    t_comm = statistics.median(times["traffic"])
+    # bytes of the block of rank j; rank 0 forwards blocks 0, W-1, ..., 2 (W - 1 hops) of k and
+    # v; backward: those again, plus (dk, dv) of every block once
+    block = [(bounds(T, W, j)[1] - bounds(T, W, j)[0]) * args.batch * args.heads
+             * args.head_dim * 4 for j in range(W)]
+    hops = sum(block[(-s) % W] for s in range(W - 1))
+    row = {"ring_size": W, "seq_len": T, "causal": causal, "max_abs_err_vs_full": err,
+           "overlap_equals_no_overlap": same, "overlap_s": t_on, "no_overlap_s": t_off,
+           "ratio_no_overlap_over_overlap": t_off / t_on, "transfers_only_s": t_comm,
+           "rank0_bytes_sent_fwd": 2 * hops,
+           "rank0_bytes_sent_bwd": 2 * hops + (2 * sum(block) if W > 1 else 0)}
+    print(f"W={W} T={T:5d} {'causal' if causal else 'full  '} | max |ring - full| (out, dq, dk, "
+          f"dv) {err:.1e} | overlap == no overlap: {same} | fwd+bwd median of {args.repeats}: "
+          f"overlap {t_on * 1e3:.1f} ms, no overlap {t_off * 1e3:.1f} ms, ratio "
+          f"{t_off / t_on:.2f}; transfers alone {t_comm * 1e3:.1f} ms", flush=True)
+    check = {"q": q.cpu(), "k": k.cpu(), "v": v.cpu(), "dout": dout.cpu(), "causal": causal,
+             "out": ring_out[0], "dq": ring_out[1], "dk": ring_out[2], "dv": ring_out[3],
+             "plain": ring_out[4:]}
+    return row, check
 
 
 if __name__ == "__main__":
