@@ -2,10 +2,10 @@
 computes, the pipeline bubble and activation memory follow their formulas, and bad settings stop
 with one line.
 
-Costs are kept down by sharing launches: one pipeline launch per p runs every implementation,
-schedule and micro-batch count (the README's --sweep command with a short list), one MoE launch
-per world size serves the equivalence and training checks, one ring launch per world size covers
-both masks and two uneven sequence lengths.
+Costs are kept down by sharing launches: one pipeline launch of 4 ranks runs every
+implementation, schedule and micro-batch count at p = 2 and p = 4 (the README's --sweep command
+with a short list); one MoE launch per world size serves the equivalence and training checks; one
+ring launch of 4 ranks runs rings of 2, 3 and 4 with both masks and two uneven lengths.
 """
 
 import importlib.util
