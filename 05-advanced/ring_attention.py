@@ -1,0 +1,400 @@
+"""Ring attention (context parallelism): the sequence is split over the ranks; each rank keeps
+its block of queries and the key/value blocks travel around the ring, so no rank ever holds the
+whole sequence's keys, values or score matrix.
+
+Launch (from the repository root):
+    python 05-advanced/ring_attention.py                                   # 1 rank: plain attention
+    torchrun --nproc_per_node=4 05-advanced/ring_attention.py              # T = 512 over 4 ranks
+    torchrun --nproc_per_node=4 05-advanced/ring_attention.py --ring-sizes 2,3,4 --seq-lens 37,50
+
+Output of `torchrun --nproc_per_node=2 05-advanced/ring_attention.py` (2-core AMD EPYC CPU,
+shared; torch 2.14.1, gloo; timings vary with the machine's load):
+    ring attention | batch 1 x 4 heads x head_dim 32 | float32 | device cpu
+    W=2 T=  512 full   | max |ring - full| (out, dq, dk, dv) 1.1e-06 | overlap == no overlap:
+        True | fwd+bwd median of 3: overlap 40.6 ms, no overlap 36.2 ms, ratio 0.89; transfers
+        alone 9.3 ms
+    W=2 T=  512 causal | max |ring - full| (out, dq, dk, dv) 1.7e-06 | ...
+
+Rank r holds positions [r T / W, (r + 1) T / W) of q, k, v: (batch, heads, T_r, head_dim).
+Forward, W steps; at step s rank r holds the key/value block of rank (r - s) mod W:
+
+    step s:  post isend(k, v -> rank r + 1) and irecv(k', v' <- rank r - 1)     (overlap)
+             o_s, lse_s = softmax(q k^T / sqrt(d)) v  on this block, and its log-sum-exp
+             merge (online softmax):  lse = log(e^lse + e^lse_s)
+                                      o   = o e^(old lse - lse) + o_s e^(lse_s - lse)
+             wait for k', v'; they are the next step's block
+
+Causal attention skips the blocks that lie wholly in the future (j > r) and masks the diagonal one.
+Backward, W more steps: the same ring carries k, v and their gradients dk, dv; each rank adds its
+queries' contribution to the block's dk, dv and passes them on, and after W hops every dk, dv
+is home. Scores are recomputed from q, k and the saved lse, as FlashAttention does, so memory
+stays O(T / W) per rank.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def fail(msg: str) -> None:
+    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = fail  # argparse's own errors too: one line, exit 2
+    p.add_argument("--seq-lens", default="512",
+                   help="comma-separated sequence lengths; each is split over the ranks")
+    p.add_argument("--mask", choices=["causal", "none", "both"], default="both")
+    p.add_argument("--ring-sizes", default="",
+                   help="comma-separated ring sizes W, each run on ranks 0..W-1 in turn "
+                        "(default: one ring of all ranks)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed forward+backward runs per case, each with and without overlap")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
+    p.add_argument("--json-out", type=Path, help="rank 0 writes the results as JSON here")
+    p.add_argument("--check-out", type=Path,
+                   help="rank 0 saves inputs, outputs and gradients of every case (tests)")
+    args = p.parse_args(argv)
+    try:
+        args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
+        args.ring_sizes = [int(w) for w in args.ring_sizes.split(",")] if args.ring_sizes else []
+    except ValueError:
+        fail(f"--seq-lens and --ring-sizes expect integers like 512 or 37,50, got "
+             f"{args.seq_lens!r} and {args.ring_sizes!r}")
+    for name in ("batch", "heads", "head_dim", "repeats"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.timeout_s <= 0:
+        fail(f"--timeout-s must be positive, got {args.timeout_s}")
+    return args
+
+
+# --------------------------------------------------------------------------------------------------
+# Set-up: the same lines run under python, torchrun and srun (see 01-ddp-basics/ddp_training.py)
+
+
+def init_distributed(device_arg: str):
+    """Return (rank, world_size, device); the process group starts after the inputs are checked."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        if "MASTER_ADDR" not in env:
+            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                                 text=True, check=False).stdout.split()
+            env["MASTER_ADDR"] = out[0] if out else nodes
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for, but CUDA is not available on this machine")
+    if device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available()):
+        if local_rank >= torch.cuda.device_count():
+            fail(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return rank, world, device
+
+
+def start_process_group(device, timeout_s: float):
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # plain `python script.py`: a group of one, no port needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks and the ring
+
+
+def bounds(T: int, W: int, j: int):
+    """Positions [start, end) of block j: sizes differ by at most one when W does not divide T."""
+    return j * T // W, (j + 1) * T // W
+
+
+def block_mask(T, W, r, j, causal, device):
+    """Which keys of block j the queries of block r may see: None (all), or a (T_r, T_j) mask.
+    Returns False when causal and block j is wholly in r's future (nothing to compute)."""
+    if not causal or j < r:
+        return None
+    if j > r:
+        return False
+    q0, q1 = bounds(T, W, r)
+    k0, k1 = bounds(T, W, j)
+    qpos = torch.arange(q0, q1, device=device)
+    kpos = torch.arange(k0, k1, device=device)
+    return kpos[None, :] <= qpos[:, None]
+
+
+class Ring:
+    """The ring's transfers: send to rank r + 1, receive from rank r - 1, all posted at once."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.next, self.prev = (rank + 1) % world, (rank - 1) % world
+
+    def start(self, tensors, shapes):
+        """Post isend of `tensors` and irecv of new tensors of `shapes`; returns a handle."""
+        received = [torch.empty(s, dtype=tensors[0].dtype, device=tensors[0].device)
+                    for s in shapes]
+        sent = [t.contiguous() for t in tensors]  # kept alive until the sends complete
+        ops = [dist.P2POp(dist.isend, t, self.next) for t in sent]
+        ops += [dist.P2POp(dist.irecv, t, self.prev) for t in received]
+        return dist.batch_isend_irecv(ops), received, sent
+
+    @staticmethod
+    def wait(handle):
+        works, received, _ = handle
+        for w in works:
+            w.wait()
+        return received
+
+
+def attend(q, k, v, mask, scale):
+    """Softmax attention of q on one key block: output (normalised within the block) and the
+    log-sum-exp of the scores per query, (B, H, T_q, 1)."""
+    s = (q @ k.transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.exp(s - lse) @ v, lse
+
+
+class RingAttention(torch.autograd.Function):
+    """out = softmax(q k^T / sqrt(d)) v over the whole sequence, with q, k, v split over ranks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, T, causal, overlap, ring):
+        W, r, scale = ring.world, ring.rank, q.shape[-1] ** -0.5
+        B, H, _, D = q.shape
+        out = torch.zeros_like(q)
+        lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device)
+        kv = (k, v)
+        for s in range(W):
+            j = (r - s) % W                                   # owner of the block we hold
+            nxt = (r - s - 1) % W                             # the block that arrives next
+            shape = (B, H, bounds(T, W, nxt)[1] - bounds(T, W, nxt)[0], D)
+            pending = ring.start(kv, [shape, shape]) if s < W - 1 and overlap else None
+            mask = block_mask(T, W, r, j, causal, q.device)
+            if mask is not False:
+                o_s, lse_s = attend(q, kv[0], kv[1], mask, scale)
+                new = torch.logaddexp(lse, lse_s)             # online-softmax merge
+                out = out * torch.exp(lse - new) + o_s * torch.exp(lse_s - new)
+                lse = new
+            if s < W - 1:
+                kv = ring.wait(pending if overlap else ring.start(kv, [shape, shape]))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.T, ctx.causal, ctx.overlap, ctx.ring = T, causal, overlap, ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        T, causal, overlap, ring = ctx.T, ctx.causal, ctx.overlap, ctx.ring
+        W, r, scale = ring.world, ring.rank, q.shape[-1] ** -0.5
+        B, H, _, D = q.shape
+        delta = (dout * out).sum(-1, keepdim=True)            # rowsum(dO * O), (B, H, T_r, 1)
+        dq = torch.zeros_like(q)
+        kv = (k, v)
+        dkv_in = (torch.zeros_like(k), torch.zeros_like(v))   # our own block starts at zero
+        for s in range(W):
+            j, nxt = (r - s) % W, (r - s - 1) % W
+            shape = (B, H, bounds(T, W, nxt)[1] - bounds(T, W, nxt)[0], D)
+            pending = ring.start(kv, [shape, shape]) if s < W - 1 and overlap else None
+            kb, vb = kv
+            dk, dv = dkv_in
+            mask = block_mask(T, W, r, j, causal, q.device)
+            if mask is not False:
+                sc = (q @ kb.transpose(-2, -1)) * scale
+                if mask is not None:
+                    sc = sc.masked_fill(~mask, float("-inf"))
+                p = torch.exp(sc - lse)                       # the final softmax, recomputed
+                dv = dv + p.transpose(-2, -1) @ dout
+                ds = p * (dout @ vb.transpose(-2, -1) - delta)
+                dq = dq + (ds @ kb) * scale
+                dk = dk + (ds.transpose(-2, -1) @ q) * scale
+            if s < W - 1 and not overlap:
+                pending = ring.start(kv, [shape, shape])
+            if W > 1:  # the block's gradients travel on with it; after W hops they are home
+                dkv_in = ring.wait(ring.start((dk, dv), [shape, shape]))
+            else:
+                dkv_in = (dk, dv)
+            if s < W - 1:
+                kv = ring.wait(pending)
+        return dq, dkv_in[0], dkv_in[1], None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Main: every case is checked against full attention and timed with and without overlap
+
+
+def make_inputs(seed, T, batch, heads, head_dim, device):
+    """q, k, v and the upstream gradient of the whole sequence: a pure function of (seed, T)."""
+    g = torch.Generator().manual_seed(seed * 1009 + T)
+    q, k, v, dout = (torch.randn(batch, heads, T, head_dim, generator=g) for _ in range(4))
+    return [t.to(device) for t in (q, k, v, dout)]
+
+
+def run_ring(q, k, v, dout, T, causal, overlap, ring):
+    """Forward and backward on this rank's block; returns out, dq, dk, dv (detached)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = RingAttention.apply(q, k, v, T, causal, overlap, ring)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def ring_traffic_only(k, T, ring):
+    """The transfers of one forward + backward with no compute: W - 1 passes of (k, v) forward,
+    W - 1 passes of (k, v) and W of (dk, dv) backward. Its time bounds what overlap can hide."""
+    W, r = ring.world, ring.rank
+    for phase in ("fwd", "bwd"):
+        block = (k, k)  # our own block (k's shape stands in for k, v, dk and dv)
+        for s in range(W):
+            nxt = (r - s - 1) % W
+            shape = (*k.shape[:2], bounds(T, W, nxt)[1] - bounds(T, W, nxt)[0], k.shape[-1])
+            if phase == "bwd" and W > 1:
+                ring.wait(ring.start(block, [shape, shape]))  # (dk, dv)
+            if s < W - 1:
+                block = ring.wait(ring.start(block, [shape, shape]))  # (k, v)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = init_distributed(args.device)
+    args.ring_sizes = args.ring_sizes or [world]
+    if not all(1 <= w <= world for w in args.ring_sizes):
+        fail(f"--ring-sizes {args.ring_sizes} must lie between 1 and the world size {world}")
+    if min(args.seq_lens) < max(args.ring_sizes):
+        fail(f"--seq-lens {min(args.seq_lens)} is shorter than the ring of "
+             f"{max(args.ring_sizes)} ranks: every rank needs at least one position")
+    start_process_group(device, args.timeout_s)
+    try:
+        run(args, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def gather_to_rank0(obj, rank, world):
+    got = [None] * world if rank == 0 else None
+    dist.gather_object(obj, got, dst=0)
+    return got
+
+
+def run(args, rank, world, device):
+    masks = {"causal": [True], "none": [False], "both": [False, True]}[args.mask]
+    results, checks = [], {}
+    if rank == 0:
+        print(f"ring attention | batch {args.batch} x {args.heads} heads x head_dim "
+              f"{args.head_dim} | float32 | device {device}", flush=True)
+    for W in args.ring_sizes:
+        # The ring is ranks 0 .. W-1; with W < world the other ranks sit this one out (they
+        # still join the barriers and gathers below, which run over every rank).
+        ring = Ring(rank, W) if rank < W else None
+        for T in args.seq_lens:
+            for causal in masks:
+                row, check = run_case(args, ring, rank, world, T, causal, device)
+                if rank == 0:
+                    results.append(row)
+                    checks[f"W{W}/T{T}/{'causal' if causal else 'full'}"] = check
+    if rank == 0:
+        if args.check_out:
+            args.check_out.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(checks, args.check_out)
+        if args.json_out:
+            args.json_out.parent.mkdir(parents=True, exist_ok=True)
+            args.json_out.write_text(json.dumps({
+                "script": "05-advanced/ring_attention.py", "world_size": world,
+                "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim,
+                "repeats": args.repeats, "device": str(device),
+                "torch_version": torch.__version__, "results": results}, indent=1))
+    dist.barrier()
+
+
+def run_case(args, ring, rank, world, T, causal, device):
+    """One (ring size, length, mask): check against full attention, time with and without
+    overlap and the transfers alone. Returns rank 0's summary row and check tensors."""
+    q, k, v, dout = make_inputs(args.seed, T, args.batch, args.heads, args.head_dim, device)
+    got = plain = []
+    if ring is not None:
+        lo, hi = bounds(T, ring.world, rank)
+        mine = [t[:, :, lo:hi] for t in (q, k, v, dout)]   # this rank's block of the sequence
+        got = run_ring(*mine, T, causal, True, ring)
+        plain = run_ring(*mine, T, causal, False, ring)    # the same arithmetic, no overlap
+    times = {True: [], False: [], "traffic": []}
+    for _ in range(args.repeats):                          # alternate, so drift hits all three
+        for overlap in (True, False, "traffic"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if ring is not None and overlap == "traffic":
+                ring_traffic_only(mine[1], T, ring)
+            elif ring is not None:
+                run_ring(*mine, T, causal, overlap, ring)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            took = torch.tensor([time.perf_counter() - t0], device=device)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)    # the slowest rank sets the pace
+            times[overlap].append(took.item())
+    parts = gather_to_rank0([t.cpu() for t in got + plain], rank, world)
+    if rank != 0:
+        return None, None
+    W = len([p for p in parts if p])
+    ring_out = [torch.cat([p[i] for p in parts if p], dim=2) for i in range(8)]
+    # Reference on one process: the full (B, H, T, T) attention, which the ring never builds
+    # (fine for checking at these sizes).
+    ref = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    full = F.scaled_dot_product_attention(*ref, is_causal=causal)
+    full.backward(dout.cpu())
+    expect = [full.detach()] + [t.grad for t in ref]
+    err = max((a - b).abs().max().item() for a, b in zip(ring_out[:4], expect))
+    same = all(torch.equal(a, b) for a, b in zip(ring_out[:4], ring_out[4:]))
+    t_on, t_off = statistics.median(times[True]), statistics.median(times[False])
+    t_comm = statistics.median(times["traffic"])
+    # bytes of the block of rank j; rank 0 forwards blocks 0, W-1, ..., 2 (W - 1 hops) of k and
+    # v; backward: those again, plus (dk, dv) of every block once
+    block = [(bounds(T, W, j)[1] - bounds(T, W, j)[0]) * args.batch * args.heads
+             * args.head_dim * 4 for j in range(W)]
+    hops = sum(block[(-s) % W] for s in range(W - 1))
+    row = {"ring_size": W, "seq_len": T, "causal": causal, "max_abs_err_vs_full": err,
+           "overlap_equals_no_overlap": same, "overlap_s": t_on, "no_overlap_s": t_off,
+           "ratio_no_overlap_over_overlap": t_off / t_on, "transfers_only_s": t_comm,
+           "rank0_bytes_sent_fwd": 2 * hops,
+           "rank0_bytes_sent_bwd": 2 * hops + (2 * sum(block) if W > 1 else 0)}
+    print(f"W={W} T={T:5d} {'causal' if causal else 'full  '} | max |ring - full| (out, dq, dk, "
+          f"dv) {err:.1e} | overlap == no overlap: {same} | fwd+bwd median of {args.repeats}: "
+          f"overlap {t_on * 1e3:.1f} ms, no overlap {t_off * 1e3:.1f} ms, ratio "
+          f"{t_off / t_on:.2f}; transfers alone {t_comm * 1e3:.1f} ms", flush=True)
+    check = {"q": q.cpu(), "k": k.cpu(), "v": v.cpu(), "dout": dout.cpu(), "causal": causal,
+             "out": ring_out[0], "dq": ring_out[1], "dk": ring_out[2], "dv": ring_out[3],
+             "plain": ring_out[4:]}
+    return row, check
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""Lesson 05b: pipeline schedules, expert parallelism and ring attention compute what one process
+computes, the pipeline bubble and activation memory follow their formulas, and bad settings stop
+with one line.
+
+Costs are kept down by sharing launches: one pipeline launch of 4 ranks runs every
+implementation, schedule and micro-batch count at p = 2 and p = 4 (the README's --sweep command
+with a short list); one MoE launch per world size serves the equivalence and training checks; one
+ring launch of 4 ranks runs rings of 2, 3 and 4 with both masks and two uneven lengths.
+"""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    PYTHON,
+    REPO,
+    assert_bad_input,
+    assert_state_dicts_close,
+    free_port,
+    launch,
+    load_export,
+    read_json,
+    readme_mentions,
+    run_python,
+    run_torchrun,
+    torchrun_cmd,
+)
+
+PP = "05-advanced/pipeline_parallel.py"
+MOE = "05-advanced/expert_parallel.py"
+RING = "05-advanced/ring_attention.py"
+SECTION = REPO / "05-advanced" / "sections" / "pipeline_experts_ring.md"
+
+# float32 on CPU: a split run adds the same terms in another order (micro-batch by micro-batch,
+# rank by rank, block by block), which moves results by a few ulps of values of order 1 (observed
+# up to 1e-7 on gradients); 1e-5 relative / 1e-6 absolute leaves a 10x margin and still fails on
+# any real mistake (a dropped micro-batch or a wrong scale changes gradients by >= 1e-2).
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """References computed in this process use one thread, like the launched ranks: tiny ops on
+    several threads of a busy shared 2-core machine spend their time waiting for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def load_script(path):
+    """The lesson scripts are standalone files, not a package: load one as a module so a test can
+    build its unsplit model class and data without any parallel code."""
+    spec = importlib.util.spec_from_file_location(path.split("/")[-1][:-3], REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------------------------------
+# Pipeline parallelism
+
+SWEEP_DOC = (f"torchrun --nproc_per_node=4 {PP} --sweep 1-16 --sweep-p 2,4 --layer-ms 25 "
+             "--metrics-out 05-advanced/figures/pp_sweep.json "
+             "--plot 05-advanced/figures/pp_bubble.png")
+# m = 1, 4 and 3, which neither p = 2 nor p = 4 divides.
+SWEEP_M = [1, 3, 4]
+# Fixed cost: 50 ms per layer forward, 100 backward: a stage of 8 / p layers works 200 ms
+# (p = 2) or 100 ms (p = 4) per micro-batch forward, so the schedule, not the tiny model's
+# compute, sets the bubble.
+LAYER_MS = 50
+# Between two boxes on the critical path, a transfer and a wake-up: ~1 ms on an idle machine,
+# measured up to ~7 ms on this 2-core machine shared by several test suites (load 15).
+HOP_S = 0.010
+
+
+@pytest.fixture(scope="module")
+def pp_sweep(tmp_path_factory):
+    """The README's sweep command with a short list and longer boxes: p = 2 (ranks 0-1, ranks 2-3
+    wait) and p = 4 in one launch."""
+    assert readme_mentions(SECTION, SWEEP_DOC), "the sweep command must be in the README"
+    out = tmp_path_factory.mktemp("pp")
+    cmd = torchrun_cmd(PP, "--sweep", ",".join(map(str, SWEEP_M)), "--sweep-p", "2,4",
+                       "--layer-ms", LAYER_MS, "--metrics-out", out / "sweep.json",
+                       "--check-out", out / "check.pt", nproc=4)
+    launch(cmd, timeout=280)
+    runs = read_json(out / "sweep.json")["runs"]
+    return runs, torch.load(out / "check.pt", weights_only=True)
+
+
+def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(pp_sweep):
+    runs, checks = pp_sweep
+    pp = load_script(PP)
+    expected = {f"p{p}/{impl}/{s}/m{m}" for p in (2, 4) for impl in ("manual", "torch")
+                for s in pp.SCHEDULES for m in SWEEP_M}
+    # Refused by design: the hand-written code covers gpipe and 1f1b; torch's Schedule1F1B
+    # needs m >= p. Everything else must have run.
+    refused = {f"p{p}/manual/interleaved/m{m}" for p in (2, 4) for m in SWEEP_M} | \
+              {f"p{p}/torch/1f1b/m{m}" for p in (2, 4) for m in SWEEP_M if m < p}
+    assert set(checks) == expected - refused
+    assert {f"p{r['p']}/{r['impl']}/{r['schedule']}/m{r['m']}" for r in runs
+            if "skipped" in r} == refused
+    for key, got in checks.items():
+        torch.manual_seed(0)  # the script's --seed default: the same initial weights
+        model = pp.PipeModel()
+        x, y = pp.global_batch(0, 0, got["batch"])
+        loss = F.cross_entropy(model(x), y)  # the whole batch at once, no pipeline
+        loss.backward()
+        assert got["loss"] == pytest.approx(loss.item(), rel=RTOL, abs=ATOL), key
+        assert_state_dicts_close(got["grads"], {n: q.grad for n, q in model.named_parameters()},
+                                 rtol=RTOL, atol=ATOL, msg=key)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_bubble_with_fixed_cost_stages_matches_the_formula(pp_sweep, p):
+    runs, _ = pp_sweep
+    stage_fwd_s = LAYER_MS / 1000 * 8 / p
+    checked = 0
+    for r in (r for r in runs if "skipped" not in r and r["p"] == p):
+        # The formula assumes equal stages and a schedule that fills whole rounds; torch's
+        # interleaved schedule runs partial rounds when p does not divide m: no formula there.
+        if r["schedule"] == "interleaved" and r["m"] % p:
+            continue
+        assert r["formula"] == pytest.approx((p - 1) / (r["v"] * r["m"] + p - 1))
+        # Margin. Below: the measured bubble cannot beat the formula, up to the skew of the two
+        # barriers that bound the step on each rank (a few ms of a step >= 1 s): 0.02.
+        # Above: the critical path of an ideal schedule is 2 (v m + p - 1) boxes of a stage
+        # (forward T / v, backward 2 T / v) with a hop between boxes, so the hops add at most
+        # 2 HOP_S (v m + p - 1) to a step of 3 T / v (v m + p - 1): an idle share of
+        # 2 HOP_S v / (3 T): 0.033 v at p = 2, 0.067 v at p = 4 (v = 2 for interleaved: twice
+        # the hops per unit of work).
+        above = 2 * HOP_S * r["v"] / (3 * stage_fwd_s)
+        assert r["formula"] - 0.02 <= r["bubble"] <= r["formula"] + above, r
+        checked += 1
+    # gpipe and 1f1b of both implementations (torch's 1f1b for m >= p), interleaved for m = 4
+    assert checked == {2: 12, 4: 11}[p]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_1f1b_holds_at_most_p_microbatches_and_gpipe_holds_m(pp_sweep, p):
+    runs, _ = pp_sweep
+    by = {(r["impl"], r["schedule"], r["m"]): r["per_rank"] for r in runs
+          if "skipped" not in r and r["p"] == p}
+    for impl in ("manual", "torch"):
+        one = by[(impl, "gpipe", 1)]  # one micro-batch: the activations of one, per rank
+        for m in SWEEP_M:
+            gpipe = by[(impl, "gpipe", m)]
+            assert [r["peak_held_microbatches"] for r in gpipe] == [m] * p
+            for rank in range(p):
+                assert gpipe[rank]["peak_activation_bytes"] == \
+                    m * one[rank]["peak_activation_bytes"]
+            if (impl, "1f1b", m) not in by:
+                continue
+            f1b = by[(impl, "1f1b", m)]
+            # rank r runs p - r - 1 warm-up forwards, then holds one more before its first backward
+            assert [r["peak_held_microbatches"] for r in f1b] == \
+                [min(m, p - rank) for rank in range(p)]
+            for rank in range(p):
+                assert f1b[rank]["peak_activation_bytes"] == \
+                    min(m, p - rank) * one[rank]["peak_activation_bytes"]
+
+
+def test_pipeline_training_export_equals_the_unsplit_model_trained_in_one_process(tmp_path):
+    # world 2, the hand-written 1F1B: 8 micro-batches of 6 rows. (torch's schedules are held to
+    # the same gradients by the sweep above; they share this script's export code.)
+    run_torchrun(PP, "--steps", "4", "--export", tmp_path / "w2.pt", "--metrics-out",
+                 tmp_path / "w2.json", "--timeline", tmp_path / "t.png", nproc=2)
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    got, sd = read_json(tmp_path / "w2.json"), load_export(tmp_path / "w2.pt")
+    # What `python pipeline_parallel.py --steps 4` does, without any pipeline code: the script's
+    # defaults (seed 0, batch 48, AdamW lr 3e-3, weight decay 0.01) on the whole model.
+    pp = load_script(PP)
+    torch.manual_seed(0)
+    model = pp.PipeModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    losses = []
+    for step in range(4):
+        x, y = pp.global_batch(0, step, 48)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert got["losses"] == pytest.approx(losses, rel=RTOL, abs=ATOL)
+    assert (got["world_size"], got["pipeline_stages"], got["microbatches"]) == (2, 2, 8)
+    # Each rank holds half the blocks: together exactly the unsplit model's parameters.
+    assert len(got["per_rank"]) == 2
+    assert sum(r["param_bytes"] for r in got["per_rank"]) == \
+        sum(t.numel() * 4 for t in sd.values())
+    pp.PipeModel().load_state_dict(sd, strict=True)
+    assert_state_dicts_close(sd, model.state_dict(), rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert parallelism
+
+MOE_TOKENS = 64  # global tokens per step: 64 / world per rank, in groups of 16
+MOE_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe")
+    runs = {}
+    for world in (1, 2, 4):
+        files = {k: out / f"w{world}.{k}" for k in ("pt", "check", "json")}
+        args = ["--steps", MOE_STEPS, "--batch-size", MOE_TOKENS // world, "--export",
+                files["pt"], "--check-out", files["check"], "--metrics-out", files["json"]]
+        if world == 1:
+            run_python(MOE, *args)  # every expert in one process; the all-to-alls are identities
+        else:
+            run_torchrun(MOE, *args, nproc=world)
+        runs[world] = {"export": load_export(files["pt"]), "metrics": read_json(files["json"]),
+                       "check": torch.load(files["check"], weights_only=True)}
+    return runs
+
+
+def naive_moe(model, h, top_k, capacity, group_size):
+    """The MoE layer of one process, token by token: in each group of tokens every expert fills
+    `capacity` slots, all first choices before any second choice, in token order; a choice that
+    finds its expert full is dropped. Returns the output, the dropped mask and the Switch
+    load-balancing loss summed over groups."""
+    probs = F.softmax(model.moe.router(h), dim=-1)
+    E = probs.shape[-1]
+    rows, dropped, aux = [], torch.zeros(len(h), top_k, dtype=torch.bool), 0
+    for g0 in range(0, len(h), group_size):
+        used, out = [0] * E, [0] * group_size
+        for j in range(top_k):
+            for t in range(g0, g0 + group_size):
+                weight, expert = (a[j] for a in probs[t].topk(top_k))
+                if used[expert] == capacity:
+                    dropped[t, j] = True
+                    continue
+                used[expert] += 1
+                out[t - g0] = out[t - g0] + weight * model.moe.experts[str(int(expert))](h[t])
+        rows += [o if torch.is_tensor(o) else torch.zeros_like(h[0]) for o in out]
+        group = probs[g0:g0 + group_size]
+        first = F.one_hot(group.argmax(-1), E).float().mean(0)
+        aux = aux + E * (first * group.mean(0)).sum()
+    return torch.stack(rows), dropped, aux
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    """The script's defaults (seed 0, 8 experts, top-2, capacity factor 1.25, groups of 16,
+    aux weight 0.01, AdamW lr 3e-3 / weight decay 0.01) trained in this process, token by token:
+    step 1's tensors and the losses of every step."""
+    moe = load_script(MOE)
+    torch.manual_seed(0)
+    model = moe.MoEModel()
+    capacity = model.moe.capacity
+    assert capacity == math.ceil(2 * 16 * 1.25 / 8) == 5
+    ref = {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "losses": []}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    for step in range(MOE_STEPS):
+        x, y = moe.global_batch(0, step, MOE_TOKENS)
+        h = model.embed(x)
+        out, dropped, aux = naive_moe(model, model.norm(h), 2, capacity, 16)
+        loss = F.cross_entropy(model.head(h + out), y) + 0.01 * aux / (MOE_TOKENS // 16)
+        loss.backward()
+        if step == 0:
+            ref.update(x=x, moe_out=out.detach(), dropped=dropped,
+                       grads={n: q.grad.clone() for n, q in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        ref["losses"].append(loss.item())
+    assert ref["dropped"].any() and not ref["dropped"].all()  # the capacity limit is exercised
+    return ref
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_expert_parallel_equals_a_single_process_moe(moe_runs, moe_reference, world):
+    ref, got, check = moe_reference, moe_runs[world], moe_runs[world]["check"]
+    assert_state_dicts_close(check["weights"], ref["weights"], rtol=0, atol=0)  # same start
+    assert torch.equal(check["x"], ref["x"])
+    # step 1: the same tokens dropped, the same MoE outputs and gradients
+    assert torch.equal(check["dropped"], ref["dropped"])
+    torch.testing.assert_close(check["moe_out"], ref["moe_out"], rtol=RTOL, atol=ATOL)
+    assert_state_dicts_close(check["grads"], ref["grads"], rtol=RTOL, atol=ATOL)
+    # training: the same losses, and after 4 AdamW steps the same weights as the one-process run
+    # of the script. (Not as the token loop: AdamW divides by sqrt(v), so where a gradient is at
+    # rounding level, e.g. an expert few tokens reach, the loop's different summation order
+    # changes the update itself; the script's one-process run does the same arithmetic.)
+    assert got["metrics"]["losses"] == pytest.approx(ref["losses"], rel=RTOL, abs=ATOL)
+    assert_state_dicts_close(got["export"], moe_runs[1]["export"], rtol=RTOL, atol=ATOL)
+    load_script(MOE).MoEModel().load_state_dict(got["export"], strict=True)
+    # each rank holds 8 / world experts: expert bytes are split, the rest replicated
+    per_rank = got["metrics"]["per_rank"]
+    expert = sum(t.numel() * 4 for k, t in got["export"].items() if k.startswith("moe.experts."))
+    shared = sum(t.numel() * 4 for k, t in got["export"].items()
+                 if not k.startswith("moe.experts."))
+    assert [r["param_bytes"] for r in per_rank] == [shared + expert // world] * world
+
+
+# --------------------------------------------------------------------------------------------------
+# Ring attention
+
+RING_LENS = (37, 50)  # 37 splits unevenly over 2, 3 and 4 ranks, 50 over 3 and 4
+
+
+@pytest.fixture(scope="module")
+def ring_run(tmp_path_factory):
+    """Rings of 2, 3 and 4 ranks in one launch of 4 (a ring of W runs on ranks 0..W-1)."""
+    out = tmp_path_factory.mktemp("ring")
+    run_torchrun(RING, "--ring-sizes", "2,3,4", "--seq-lens", ",".join(map(str, RING_LENS)),
+                 "--repeats", "1", "--check-out", out / "check.pt", "--json-out",
+                 out / "ring.json", nproc=4)
+    return torch.load(out / "check.pt", weights_only=True), read_json(out / "ring.json")
+
+
+def test_ring_attention_equals_full_attention(ring_run):
+    checks, _ = ring_run
+    assert set(checks) == {f"W{w}/T{t}/{m}" for w in (2, 3, 4) for t in RING_LENS
+                           for m in ("full", "causal")}
+    for key, c in checks.items():
+        # reference in float64 on the whole sequence: the (T, T) scores the ring never builds
+        q, k, v = (c[n].double().requires_grad_() for n in ("q", "k", "v"))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=c["causal"])
+        out.backward(c["dout"].double())
+        # float32 ring vs float64 truth: sums over <= 50 keys and the online-softmax rescaling
+        # leave errors of a few 1e-7 (observed <= 3e-6 on values of order 1): 1e-5 is a 3x margin
+        for name, want in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+            torch.testing.assert_close(c[name], want.float(), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name, k=key: f"{k} {n}: {m}")
+        # without overlap the ring does the same arithmetic in the same order: bitwise equal
+        for a, b in zip(c["plain"], (c["out"], c["dq"], c["dk"], c["dv"])):
+            assert torch.equal(a, b), key
+
+
+def test_ring_reports_its_traffic(ring_run):
+    _, result = ring_run
+    row_bytes = result["batch"] * result["heads"] * result["head_dim"] * 4
+    for row in result["results"]:
+        T, world = row["seq_len"], row["ring_size"]
+        # Forward: k and v make W - 1 hops; every block but rank 0's successor's passes rank 0.
+        # Backward: the same hops again, plus (dk, dv) of every block once: W hops in all.
+        passing = T - ((2 * T) // world - T // world)  # positions of all blocks but block 1
+        assert row["rank0_bytes_sent_fwd"] == 2 * passing * row_bytes
+        assert row["rank0_bytes_sent_bwd"] == 2 * passing * row_bytes + 2 * T * row_bytes
+        assert row["overlap_s"] > 0 and row["no_overlap_s"] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad settings: one line per rank, exit status 2, before any collective
+
+
+def bad_input_on_ranks(script, args, world, ranks):
+    """Start the given ranks as torchrun would (RANK, WORLD_SIZE, a rendezvous address nobody
+    serves): a rank that reached a collective would wait there and time out."""
+    port = free_port()
+    return [launch([PYTHON, script, *args], check=False, timeout=60,
+                   env={"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world,
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+            for r in ranks]
+
+
+def test_bad_settings_exit_2_with_one_line_on_every_rank():
+    for rank, r in enumerate(bad_input_on_ranks(PP, ["--layers", "1"], 2, ranks=[0, 1])):
+        assert_bad_input(r, rf"^\[rank {rank}\] error: 2 pipeline ranks x 1 stage\(s\) per rank "
+                            r"= 2 stages, but --layers 1 gives fewer layers than stages")
+    # rank 1 alone: it stops without waiting for rank 0
+    (r,) = bad_input_on_ranks(MOE, ["--experts", "3"], 2, ranks=[1])
+    assert_bad_input(r, r"^\[rank 1\] error: --experts 3 is not divisible by the world size 2")
+    r = run_python(PP, "--microbatches", "0", check=False)
+    assert_bad_input(r, r"^error: --microbatches must be at least 1, got 0$")
