@@ -49,10 +49,10 @@ SIGTERM_RECEIVED = threading.Event()
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda signum, frame: SIGTERM_RECEIVED.set())
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 try:
     from tqdm import tqdm
@@ -79,7 +79,8 @@ def parse_args(argv=None):
                    default=HERE / "configs" / "zero2_config.json", help="DeepSpeed JSON config")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps (total, resume included)")
     p.add_argument("--batch-size", type=int,
-                   help="samples per rank per micro-step (overrides train_micro_batch_size_per_gpu)")
+                   help="samples per rank per micro-step (overrides the config's "
+                        "train_micro_batch_size_per_gpu)")
     p.add_argument("--grad-accum", type=int,
                    help="micro-steps per optimizer step (overrides gradient_accumulation_steps)")
     p.add_argument("--lr", type=float, help="peak LR (overrides the optimizer's and scheduler's)")
@@ -160,11 +161,12 @@ def load_config(args, world: int) -> dict:
     micro = args.batch_size or positive_int("train_micro_batch_size_per_gpu", 8)
     accum = args.grad_accum or positive_int("gradient_accumulation_steps", 1)
     derived = micro * accum * world
-    if "train_batch_size" in config and not (args.batch_size or args.grad_accum):
-        if positive_int("train_batch_size", None) != derived:
-            fail(f"{path}: train_batch_size {config['train_batch_size']} != "
-                 f"train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps {accum} "
-                 f"x world size {world} = {derived}")
+    overridden = args.batch_size or args.grad_accum
+    if "train_batch_size" in config and not overridden \
+            and positive_int("train_batch_size", None) != derived:
+        fail(f"{path}: train_batch_size {config['train_batch_size']} != "
+             f"train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps {accum} "
+             f"x world size {world} = {derived}")
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum,
                   train_batch_size=derived)
 
@@ -172,7 +174,8 @@ def load_config(args, world: int) -> dict:
         offload = zero.get(key) or {}
         device = offload.get("device", "none")
         if device not in ("none", "cpu", "nvme"):
-            fail(f"{path}: zero_optimization.{key}.device must be none, cpu or nvme, got {device!r}")
+            fail(f"{path}: zero_optimization.{key}.device must be none, cpu or nvme, "
+                 f"got {device!r}")
         if device == "nvme" and not Path(offload.get("nvme_path", "")).is_dir():
             fail(f"{path}: zero_optimization.{key}.nvme_path {offload.get('nvme_path')!r} is not "
                  "a directory: set it to a folder on a local NVMe drive")
@@ -256,8 +259,9 @@ def init_distributed(device_arg: str, timeout_s: float):
 
     # DeepSpeed picks its accelerator when first imported: tell it which one we chose.
     env["DS_ACCELERATOR"] = device.type
-    import deepspeed
     import logging
+
+    import deepspeed
     deepspeed.utils.logger.setLevel(logging.WARNING)  # keep the engine's config dump out
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -320,7 +324,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token + position embeddings, pre-norm blocks, an output layer sharing the embedding."""
 
-    def __init__(self, layers: int = 2, width: int = 64, vocab: int = VOCAB, seq_len: int = SEQ_LEN):
+    def __init__(self, layers=2, width=64, vocab=VOCAB, seq_len=SEQ_LEN):
         super().__init__()
         # GPT-2's N(0, 0.02) embeddings (torch's default N(0, 1) would make the tied output
         # layer's first logits huge). Passed in as `_weight` because under ZeRO-3's zero.Init a

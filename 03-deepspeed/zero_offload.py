@@ -6,8 +6,17 @@ Launch (from the repository root):
     deepspeed --num_gpus 8 03-deepspeed/zero_offload.py --width 4096 --estimate-params 7e9
     python 03-deepspeed/zero_offload.py                          # 1 process
 
-Expected output: see the README ("Offload"). For each config the script trains a few steps of the
-same MLP and lists, per rank, the bytes of every kind of model state and where it lives.
+For each config the script trains a few steps of the same MLP and lists the bytes of every kind
+of model state rank 0 holds and where it lives. Expected output (deepspeed --num_gpus 2; 2-core
+AMD EPYC CPU (shared), torch 2.14.1, deepspeed 0.19.8, gloo; abridged, the README has it all):
+                                   zero2     zero2_offload         zero3     zero3_offload
+    weights (working copy)  1,052,672 device  1,052,672 device  526,336 device  526,336 host
+    gradient partition        526,336 device          0 device  526,336 device  526,336 device
+    fp32 master partition     526,336 device    526,336 host    526,336 device  526,336 host
+    fp32 gradient of master         0 device    526,336 host          0 device  526,336 host
+    Adam moments            1,052,672 device  1,052,672 host  1,052,672 device 1,052,672 host
+    total on device         3,158,016         1,052,672       2,631,680          526,336
+    total on host                   0         2,105,344               0        2,631,680
 
 What offload moves (DeepSpeed's "ZeRO-Offload", Ren et al. 2021, and "ZeRO-Infinity", 2021):
     offload_optimizer (stage 1-3): the fp32 master partition, its fp32 gradient partition and the
@@ -190,10 +199,14 @@ def main(argv=None):
 
 
 def run(args, rank, world, deepspeed):
-    from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
-                                               estimate_zero3_model_states_mem_needs_all_cold)
+    from deepspeed.runtime.zero.stage3 import (
+        estimate_zero3_model_states_mem_needs,
+        estimate_zero3_model_states_mem_needs_all_cold,
+    )
     from deepspeed.runtime.zero.stage_1_and_2 import (
-        estimate_zero2_model_states_mem_needs, estimate_zero2_model_states_mem_needs_all_cold)
+        estimate_zero2_model_states_mem_needs,
+        estimate_zero2_model_states_mem_needs_all_cold,
+    )
 
     n_params = sum(p.numel() for p in build_mlp(args.layers, args.width).parameters())
     largest = args.width * args.width + args.width

@@ -21,10 +21,19 @@ import shutil
 
 import pytest
 import torch
-
-from conftest import (REPO, assert_bad_input, assert_state_dicts_close, assert_state_dicts_equal,
-                      launch, load_export, read_json, readme_mentions, run_deepspeed, run_python,
-                      torchrun_cmd)
+from conftest import (
+    REPO,
+    assert_bad_input,
+    assert_state_dicts_close,
+    assert_state_dicts_equal,
+    launch,
+    load_export,
+    read_json,
+    readme_mentions,
+    run_deepspeed,
+    run_python,
+    torchrun_cmd,
+)
 
 LESSON = REPO / "03-deepspeed"
 TRAIN = "03-deepspeed/deepspeed_train.py"
@@ -39,11 +48,11 @@ LAUNCH_TIMEOUT = 280  # a 2-rank launch takes ~10 s idle, minutes on a crowded 2
 # the world size and summed by gloo), a few ulps per gradient. AdamW's per-element normalisation
 # passes relative gradient errors through to the update at most ~1:1, and 8 steps of lr <= 1e-2
 # move a weight by < 0.1, so differences stay far below 1e-6 absolute; rtol covers larger weights.
-LAYOUT_TOL = dict(rtol=1e-5, atol=1e-6)
+LAYOUT_TOL = {"rtol": 1e-5, "atol": 1e-6}
 # DeepSpeedCPUAdam (offload) is a separate vectorised C++ implementation of the same AdamW update
 # (different operation order, e.g. the bias corrections folded into the step size), so it
 # differs from torch's AdamW by a few more ulps per step on top of the layout differences.
-OFFLOAD_TOL = dict(rtol=1e-5, atol=2e-6)
+OFFLOAD_TOL = {"rtol": 1e-5, "atol": 2e-6}
 
 
 def load_lesson_module(name):
@@ -97,8 +106,8 @@ def runs(tmp_path_factory):
     ("malformed", '{"zero_optimization": {"stage": 2,}}', r"malformed JSON"),
     ("stage4", '{"zero_optimization": {"stage": 4}}', r"zero_optimization\.stage .*got 4"),
     ("batch", '{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}',
-     r"train_batch_size 64 != train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1"
-     r" x world size 1 = 8"),
+     (r"train_batch_size 64 != train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1"
+      r" x world size 1 = 8")),
     ("missing", None, r"--deepspeed_config .*missing\.json: file not found"),
 ])
 def test_bad_config_exits_2_with_one_line(tmp_path, case, content, pattern):
@@ -195,6 +204,8 @@ def test_per_rank_bytes_follow_the_zero_formulas(runs, train_module):
     params = list(model.parameters())  # the tied embedding / output weight once
     P, N = sum(p.numel() for p in params), WORLD
     biggest = max(p.numel() for p in params)
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False))
+                        for m in model.modules())
     # Stages 1/2 flatten all parameters into one buffer padded to a multiple of 2 x N elements
     # (DeepSpeed's alignment), cut into N equal partitions. Stage 3 cuts each parameter into N
     # pieces of ceil(numel / N).
@@ -211,9 +222,9 @@ def test_per_rank_bytes_follow_the_zero_formulas(runs, train_module):
                                  5 * B * part3),
     }
     keys = ("param_bytes", "grad_bytes", "master_bytes", "optim_bytes", "host_bytes")
-    table = [f"P = {P:,} parameters, N = {N} ranks; bytes per rank (rank 0):",
-             f"{'config':22}{'params':>10}{'grads':>10}{'optim':>10}{'host':>10}"
-             f"{'device total':>14}{'DeepSpeed estimate (16-bit weights) device/host':>50}"]
+    header = (f"{'config':22}{'params':>10}{'grads':>10}{'optim':>10}{'host':>10}"
+              f"{'device total':>14}   DeepSpeed's estimate (16-bit weights): device / host")
+    table = [f"P = {P:,} parameters, N = {N} ranks; bytes per rank (rank 0):", header]
     for config in [*expected, "zero2_config"]:
         metrics = runs(config)["metrics"]
         assert metrics["n_params"] == P
@@ -233,14 +244,19 @@ def test_per_rank_bytes_follow_the_zero_formulas(runs, train_module):
         offload = "offload" in config
         if "zero3" in config:
             host, device, _ = estimate_zero3_model_states_mem_needs(
-                P, biggest, num_gpus_per_node=N, cpu_offload=offload, cpu_offload_params=offload)
-        else:
+                P, largest_layer, num_gpus_per_node=N, cpu_offload=offload,
+                cpu_offload_params=offload)
+            estimate = f"{device:,} / {host:,}"
+        elif "zero2" in config:
             host, device = estimate_zero2_model_states_mem_needs(
                 P, num_gpus_per_node=N, cpu_offload=offload)
+            estimate = f"{device:,} / {host:,}"
+        else:
+            estimate = "(DeepSpeed has estimators for stages 2 and 3 only)"
         device_total = r0["param_bytes"] + r0["grad_bytes"] + r0["optim_bytes"] - r0["host_bytes"]
         table.append(f"{config:22}{r0['param_bytes']:>10,}{r0['grad_bytes']:>10,}"
                      f"{r0['optim_bytes']:>10,}{r0['host_bytes']:>10,}{device_total:>14,}"
-                     f"{device:>38,} / {host:,}")
+                     f"   {estimate}")
     print("\n".join(table))
     # What each stage shards, in the formulas' words: stage 1 the optimizer state, stage 2 also
     # the gradients, stage 3 also the parameters.
@@ -263,7 +279,7 @@ def test_sharded_optimizer_equals_plain_and_zero_redundancy(world, tmp_path):
     results = data["results"]
     # AdamW: as LAYOUT_TOL above (4 steps, lr 1e-2). SGD: the update is lr x gradient, so only
     # the rounding of the gradient average shows, ~1e-8 here.
-    tol = {"adamw": dict(rtol=1e-5, atol=1e-6), "sgd": dict(rtol=1e-5, atol=1e-7)}
+    tol = {"adamw": {"rtol": 1e-5, "atol": 1e-6}, "sgd": {"rtol": 1e-5, "atol": 1e-7}}
     for name in ("adamw", "sgd"):
         plain = results[f"plain-{name}"]
         for run in (f"sharded1-{name}", f"sharded2-{name}", f"zero_redundancy-{name}"):
@@ -319,10 +335,10 @@ def test_inference_matches_the_plain_model(runs, tmp_path):
 def test_readme_shows_the_launch_commands():
     readme = LESSON / "README.md"
     for command in [
-        "deepspeed --num_gpus 2 03-deepspeed/deepspeed_train.py --deepspeed_config "
-        "03-deepspeed/configs/zero2_config.json",
-        "python 03-deepspeed/deepspeed_train.py --deepspeed_config "
-        "03-deepspeed/configs/zero0_config.json",
+        ("deepspeed --num_gpus 2 03-deepspeed/deepspeed_train.py --deepspeed_config "
+         "03-deepspeed/configs/zero2_config.json"),
+        ("python 03-deepspeed/deepspeed_train.py --deepspeed_config "
+         "03-deepspeed/configs/zero0_config.json"),
         "torchrun --nproc_per_node=2 03-deepspeed/deepspeed_train.py --deepspeed_config",
         "torchrun --nproc_per_node=2 03-deepspeed/zero_from_scratch.py",
         "deepspeed --num_gpus 2 03-deepspeed/zero_offload.py",
