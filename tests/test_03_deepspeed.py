@@ -1,0 +1,349 @@
+"""Lesson 03 (DeepSpeed), through the real `deepspeed` launcher on CPU (gloo):
+
+- ZeRO stages 0-3 at world 2 end with the weights of a one-process stage-0 run with the same
+  global batch, and with each other; both offload configs end with their stage's weights;
+- a run resumed from a DeepSpeed checkpoint (under torchrun) ends bitwise equal to the
+  uninterrupted run, and the checkpoint's zero_to_fp32 conversion loads strictly into the model;
+- the bytes each rank holds follow the ZeRO formulas (DeepSpeed's estimator printed beside them);
+- the hand-written ShardedOptimizer equals the plain optimizer and ZeroRedundancyOptimizer;
+- deepspeed_inference.py reproduces the plain model's logits;
+- bad configs exit 2 with one line per rank naming the field.
+
+Cost: each 2-rank `deepspeed` launch is ~15 CPU seconds (launcher + two interpreters importing
+torch and deepspeed), so every launch is shared through module-scoped fixtures, and the runs are
+short (8 optimizer steps of a 106k-parameter GPT).
+"""
+
+import importlib.util
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import (
+    REPO,
+    assert_bad_input,
+    assert_state_dicts_close,
+    assert_state_dicts_equal,
+    launch,
+    load_export,
+    read_json,
+    readme_mentions,
+    run_deepspeed,
+    run_python,
+    torchrun_cmd,
+)
+
+LESSON = REPO / "03-deepspeed"
+TRAIN = "03-deepspeed/deepspeed_train.py"
+STEPS, WORLD = 8, 2
+# World 2: 2 ranks x micro-batch 2 x 2 accumulation micro-steps = the reference's one batch of 8.
+DIST_ARGS = ["--steps", STEPS, "--batch-size", 2, "--grad-accum", 2]
+REF_ARGS = ["--steps", STEPS, "--batch-size", 8, "--grad-accum", 1]
+LAUNCH_TIMEOUT = 280  # a 2-rank launch takes ~10 s idle, minutes on a crowded 2-core machine
+
+# Tolerances (float32 on CPU). Between layouts only the order of the gradient sums changes
+# (world 1: one mean over 8 rows; world 2: per-rank means of 2-row micro-batches, pre-divided by
+# the world size and summed by gloo), a few ulps per gradient. AdamW's per-element normalisation
+# passes relative gradient errors through to the update at most ~1:1, and 8 steps of lr <= 1e-2
+# move a weight by < 0.1, so differences stay far below 1e-6 absolute; rtol covers larger weights.
+LAYOUT_TOL = {"rtol": 1e-5, "atol": 1e-6}
+# DeepSpeedCPUAdam (offload) is a separate vectorised C++ implementation of the same AdamW update
+# (different operation order, e.g. the bias corrections folded into the step size), so it
+# differs from torch's AdamW by a few more ulps per step on top of the layout differences.
+OFFLOAD_TOL = {"rtol": 1e-5, "atol": 2e-6}
+
+
+def load_lesson_module(name):
+    """Import a lesson script as a module (its main() is not run) to build its plain model."""
+    spec = importlib.util.spec_from_file_location(name, LESSON / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train_module():
+    return load_lesson_module("deepspeed_train")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """World 1, stage 0, plain `python` (a one-process group): the result every layout must
+    reproduce."""
+    out = tmp_path_factory.mktemp("ref")
+    run_python(TRAIN, "--deepspeed_config", LESSON / "configs" / "zero0_config.json", *REF_ARGS,
+               "--export", out / "model.pt", "--metrics-out", out / "metrics.json",
+               timeout=LAUNCH_TIMEOUT)
+    return {"export": load_export(out / "model.pt"), "metrics": read_json(out / "metrics.json")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(config) -> that config's world-2 run through the deepspeed launcher, launched once."""
+    cache = {}
+
+    def get(config):
+        if config not in cache:
+            out = tmp_path_factory.mktemp(config)
+            run_deepspeed(TRAIN, "--deepspeed_config", LESSON / "configs" / f"{config}.json",
+                          *DIST_ARGS, "--ckpt-dir", out / "ckpt", "--ckpt-every", STEPS // 2,
+                          "--export", out / "model.pt", "--metrics-out", out / "metrics.json",
+                          num_gpus=WORLD, timeout=LAUNCH_TIMEOUT)
+            cache[config] = {"dir": out, "export": load_export(out / "model.pt"),
+                             "metrics": read_json(out / "metrics.json")}
+        return cache[config]
+
+    return get
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: before deepspeed is imported and before any collective
+
+
+@pytest.mark.parametrize("case,content,pattern", [
+    ("malformed", '{"zero_optimization": {"stage": 2,}}', r"malformed JSON"),
+    ("stage4", '{"zero_optimization": {"stage": 4}}', r"zero_optimization\.stage .*got 4"),
+    ("batch", '{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}',
+     (r"train_batch_size 64 != train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1"
+      r" x world size 1 = 8")),
+    ("missing", None, r"--deepspeed_config .*missing\.json: file not found"),
+])
+def test_bad_config_exits_2_with_one_line(tmp_path, case, content, pattern):
+    config = tmp_path / f"{case}.json"
+    if content is not None:
+        config.write_text(content)
+    result = run_python(TRAIN, "--deepspeed_config", config, check=False, timeout=LAUNCH_TIMEOUT)
+    assert_bad_input(result, pattern)
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_bad_config_fails_on_every_rank_under_the_launcher(tmp_path):
+    """Each rank prints its own line: the launcher SIGTERMs the others when the first exits, and
+    the script survives that long enough (see SIGTERM_RECEIVED in deepspeed_train.py)."""
+    config = tmp_path / "stage4.json"
+    config.write_text('{"zero_optimization": {"stage": 4}}')
+    result = run_deepspeed(TRAIN, "--deepspeed_config", config, num_gpus=WORLD, check=False,
+                           timeout=LAUNCH_TIMEOUT)
+    assert_bad_input(result, r"^\[rank [01]\] error: .*zero_optimization\.stage", ranks=WORLD)
+    assert {line.split("]")[0] for line in result.stderr_lines()} == {"[rank 0", "[rank 1"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Equivalence: every stage, every layout, computes what one process computes
+
+
+def test_reference_export_loads_into_the_plain_model(reference, train_module):
+    model = train_module.GPT()
+    model.load_state_dict(reference["export"], strict=True)
+    losses = reference["metrics"]["losses"]
+    assert len(losses) == STEPS and losses[-1] < losses[0], losses
+    assert reference["metrics"]["world_size"] == 1 and reference["metrics"]["global_batch"] == 8
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stage_at_world_2_equals_one_process(stage, runs, reference):
+    run = runs(f"zero{stage}_config")
+    metrics = run["metrics"]
+    assert (metrics["world_size"], metrics["global_batch"], metrics["zero_stage"]) == \
+        (WORLD, 8, stage)
+    assert metrics["precision"] == "fp32"  # the config's bf16 section is turned off on CPU
+    assert_state_dicts_close(run["export"], reference["export"], **LAYOUT_TOL,
+                             msg=f"zero{stage} vs one process:")
+    torch.testing.assert_close(torch.tensor(metrics["losses"]),
+                               torch.tensor(reference["metrics"]["losses"]), **LAYOUT_TOL)
+
+
+def test_stages_agree_with_each_other(runs):
+    exports = {s: runs(f"zero{s}_config")["export"] for s in range(4)}
+    for stage in (1, 2, 3):
+        assert_state_dicts_close(exports[stage], exports[0], **LAYOUT_TOL,
+                                 msg=f"zero{stage} vs zero0:")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_equals_its_stage(stage, runs):
+    offload = runs(f"zero{stage}_offload_config")
+    assert offload["metrics"]["strategy"] == f"zero{stage}+offload"
+    assert_state_dicts_close(offload["export"], runs(f"zero{stage}_config")["export"],
+                             **OFFLOAD_TOL, msg=f"zero{stage} offload vs zero{stage}:")
+
+
+def test_resume_from_checkpoint_is_bitwise_and_converts_to_fp32(runs, train_module, tmp_path):
+    """Resume the stage-3 run from its step-4 checkpoint, under torchrun this time, and export
+    through DeepSpeed's zero_to_fp32 conversion of the final checkpoint."""
+    full = runs("zero3_config")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(full["dir"] / "ckpt", ckpt)
+    half = f"step_{STEPS // 2:06d}"
+    assert (ckpt / "latest").read_text() == f"step_{STEPS:06d}"
+    shutil.rmtree(ckpt / f"step_{STEPS:06d}")
+    (ckpt / "latest").write_text(half)
+    launch(torchrun_cmd(TRAIN, "--deepspeed_config", LESSON / "configs" / "zero3_config.json",
+                        *DIST_ARGS, "--ckpt-dir", ckpt, "--export", tmp_path / "model.pt",
+                        "--export-source", "checkpoint", "--metrics-out", tmp_path / "m.json",
+                        nproc=WORLD), timeout=LAUNCH_TIMEOUT)
+    resumed = read_json(tmp_path / "m.json")
+    assert resumed["start_step"] == STEPS // 2
+    assert resumed["losses"] == full["metrics"]["losses"][STEPS // 2:]  # bitwise
+    export = load_export(tmp_path / "model.pt")
+    assert_state_dicts_equal(export, full["export"], msg="resumed + zero_to_fp32 vs full run:")
+    train_module.GPT().load_state_dict(export, strict=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory: the bytes each rank holds, against the ZeRO formulas (fp32: 4 bytes per element)
+
+
+def test_per_rank_bytes_follow_the_zero_formulas(runs, train_module):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    model = train_module.GPT()
+    params = list(model.parameters())  # the tied embedding / output weight once
+    P, N = sum(p.numel() for p in params), WORLD
+    biggest = max(p.numel() for p in params)
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False))
+                        for m in model.modules())
+    # Stages 1/2 flatten all parameters into one buffer padded to a multiple of 2 x N elements
+    # (DeepSpeed's alignment), cut into N equal partitions. Stage 3 cuts each parameter into N
+    # pieces of ceil(numel / N).
+    flat = math.ceil(P / (2 * N)) * 2 * N
+    part12 = flat // N
+    part3 = sum(math.ceil(p.numel() / N) for p in params)
+    B = 4  # bytes per fp32 element
+    expected = {  # param, grad (max over micro-steps), fp32 master, master + Adam moments, host
+        "zero0_config": (B * P, B * P, 0, 2 * B * P, 0),
+        "zero1_config": (B * flat, B * P, B * part12, 3 * B * part12, 0),
+        "zero3_config": (B * part3, B * part3, B * part3, 3 * B * part3, 0),
+        "zero2_offload_config": (B * flat, B * part12, B * part12, 3 * B * part12, 4 * B * part12),
+        "zero3_offload_config": (B * part3, 2 * B * part3, B * part3, 3 * B * part3,
+                                 5 * B * part3),
+    }
+    keys = ("param_bytes", "grad_bytes", "master_bytes", "optim_bytes", "host_bytes")
+    header = (f"{'config':22}{'params':>10}{'grads':>10}{'optim':>10}{'host':>10}"
+              f"{'device total':>14}   DeepSpeed's estimate (16-bit weights): device / host")
+    table = [f"P = {P:,} parameters, N = {N} ranks; bytes per rank (rank 0):", header]
+    for config in [*expected, "zero2_config"]:
+        metrics = runs(config)["metrics"]
+        assert metrics["n_params"] == P
+        ranks = metrics["per_rank"]
+        for rank, got in enumerate(ranks):
+            assert got["peak_bytes"] is None  # CPU: no allocator peak
+            if config == "zero2_config":
+                # Stage 2 keeps whole gradient tensors of the parameters overlapping its partition
+                # while it accumulates; after the last micro-step, exactly its partition.
+                assert got["grad_bytes_per_micro_step"][-1] == B * part12
+                assert B * part12 <= got["grad_bytes"] <= B * (part12 + 2 * biggest) < B * P
+                assert [got[k] for k in keys if k != "grad_bytes"] == \
+                    [B * flat, B * part12, 3 * B * part12, 0], (config, rank, got)
+            else:
+                assert tuple(got[k] for k in keys) == expected[config], (config, rank, got)
+        r0 = ranks[0]
+        offload = "offload" in config
+        if "zero3" in config:
+            host, device, _ = estimate_zero3_model_states_mem_needs(
+                P, largest_layer, num_gpus_per_node=N, cpu_offload=offload,
+                cpu_offload_params=offload)
+            estimate = f"{device:,} / {host:,}"
+        elif "zero2" in config:
+            host, device = estimate_zero2_model_states_mem_needs(
+                P, num_gpus_per_node=N, cpu_offload=offload)
+            estimate = f"{device:,} / {host:,}"
+        else:
+            estimate = "(DeepSpeed has estimators for stages 2 and 3 only)"
+        device_total = r0["param_bytes"] + r0["grad_bytes"] + r0["optim_bytes"] - r0["host_bytes"]
+        table.append(f"{config:22}{r0['param_bytes']:>10,}{r0['grad_bytes']:>10,}"
+                     f"{r0['optim_bytes']:>10,}{r0['host_bytes']:>10,}{device_total:>14,}"
+                     f"   {estimate}")
+    print("\n".join(table))
+    # What each stage shards, in the formulas' words: stage 1 the optimizer state, stage 2 also
+    # the gradients, stage 3 also the parameters.
+    m = {s: runs(f"zero{s}_config")["metrics"]["per_rank"][0] for s in range(4)}
+    assert m[1]["optim_bytes"] < m[0]["optim_bytes"] and m[1]["grad_bytes"] == m[0]["grad_bytes"]
+    assert m[2]["grad_bytes_per_micro_step"][-1] < m[1]["grad_bytes_per_micro_step"][0]
+    assert m[3]["param_bytes"] < m[2]["param_bytes"] == m[1]["param_bytes"]
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO by hand
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_optimizer_equals_plain_and_zero_redundancy(world, tmp_path):
+    out = tmp_path / "sharded.pt"
+    launch(torchrun_cmd("tests/workers_03/sharded_optimizer_check.py", out, nproc=world),
+           timeout=LAUNCH_TIMEOUT)
+    data = torch.load(out, weights_only=False)
+    results = data["results"]
+    # AdamW: as LAYOUT_TOL above (4 steps, lr 1e-2). SGD: the update is lr x gradient, so only
+    # the rounding of the gradient average shows, ~1e-8 here.
+    tol = {"adamw": {"rtol": 1e-5, "atol": 1e-6}, "sgd": {"rtol": 1e-5, "atol": 1e-7}}
+    for name in ("adamw", "sgd"):
+        plain = results[f"plain-{name}"]
+        for run in (f"sharded1-{name}", f"sharded2-{name}", f"zero_redundancy-{name}"):
+            assert_state_dicts_close(results[run], plain, **tol[name], msg=f"{run} vs plain:")
+        # The frozen layer never moves; the tied weight is one tensor under two names.
+        assert_state_dicts_equal({k: v for k, v in results[f"sharded2-{name}"].items()
+                                  if k.startswith("frozen")},
+                                 {k: v for k, v in results["initial"].items()
+                                  if k.startswith("frozen")})
+        assert torch.equal(plain["mix1.weight"], plain["mix2.weight"])
+
+        # Each rank holds about 1/N of the state: together exactly the plain optimizer's, and no
+        # rank more than its share plus one parameter's state (greedy largest-first balance).
+        per_param = 2 if name == "adamw" else 1  # AdamW: exp_avg + exp_avg_sq; SGD: momentum
+        biggest = per_param * 4 * 64 * 64
+        for stage in (1, 2):
+            shares = [r[f"sharded{stage}-{name}"] for r in data["per_rank_bytes"]]
+            assert len(shares) == world and sum(shares) == data["plain_bytes"][name]
+            assert max(shares) <= data["plain_bytes"][name] / world + biggest, shares
+
+
+# --------------------------------------------------------------------------------------------------
+# Inference
+
+
+def test_inference_matches_the_plain_model(runs, tmp_path):
+    """On the stage-2 run's trained weights. DeepSpeed 0.19.8's AutoTP needs `transformers`:
+    with it, a 2-way tensor-parallel split under the launcher; without it the script's fallback,
+    one process with the reason printed (what the README runs)."""
+    can_split = importlib.util.find_spec("transformers") is not None
+    args = ["03-deepspeed/deepspeed_inference.py", "--weights",
+            runs("zero2_config")["dir"] / "model.pt", "--json-out", tmp_path / "inf.json",
+            "--save-logits", tmp_path / "logits.pt"]
+    if can_split:
+        run_deepspeed(*args, num_gpus=WORLD, timeout=LAUNCH_TIMEOUT)
+    else:
+        run_python(*args, timeout=LAUNCH_TIMEOUT)
+    info = read_json(tmp_path / "inf.json")
+    logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+    # fp32: tensor parallelism only reorders the sums of the row-parallel layers (partial
+    # products, then an all-reduce); logits here are O(10), so 1e-4 is ~100 float32 ulps.
+    torch.testing.assert_close(logits["deepspeed"], logits["plain"], rtol=0, atol=1e-4)
+    if can_split:
+        assert info["tensor_parallel"] == WORLD and info["local_qkv_features"] == 64 // WORLD
+    else:
+        assert info["tensor_parallel"] == 1 and info["no_split_reason"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The README documents the commands these tests run
+
+
+def test_readme_shows_the_launch_commands():
+    readme = LESSON / "README.md"
+    for command in [
+        ("deepspeed --num_gpus 2 03-deepspeed/deepspeed_train.py --deepspeed_config "
+         "03-deepspeed/configs/zero2_config.json"),
+        ("python 03-deepspeed/deepspeed_train.py --deepspeed_config "
+         "03-deepspeed/configs/zero0_config.json"),
+        "torchrun --nproc_per_node=2 03-deepspeed/deepspeed_train.py --deepspeed_config",
+        "torchrun --nproc_per_node=2 03-deepspeed/zero_from_scratch.py",
+        "deepspeed --num_gpus 2 03-deepspeed/zero_offload.py",
+        "03-deepspeed/deepspeed_inference.py --weights",
+    ]:
+        assert readme_mentions(readme, command), command
+    configs = json.loads((LESSON / "configs" / "zero3_nvme_offload_config.json").read_text())
+    assert "CHANGE_ME" in configs["zero_optimization"]["offload_param"]["nvme_path"]
