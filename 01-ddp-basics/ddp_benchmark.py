@@ -23,6 +23,7 @@ Expected output (python 01-ddp-basics/ddp_benchmark.py, 2-core AMD EPYC CPU, glo
 """
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -155,6 +156,7 @@ def measure(args):
             "torch_version": torch.__version__,
         }
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

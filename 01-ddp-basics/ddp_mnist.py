@@ -22,6 +22,7 @@ The three DDP ingredients, each marked below with "DDP:":
 """
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -197,6 +198,7 @@ def main(argv=None):
     try:
         run(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -25,7 +25,7 @@ What DDP does each optimizer step (and where this file does it):
 
 import argparse
 import contextlib
-import math
+import gc
 import os
 import random
 import signal
@@ -94,6 +94,8 @@ def parse_args(argv=None):
         fail("--spawn N starts N ranks itself: use it with plain python, N >= 1")
     if args.fail_at_step and not args.ckpt_dir:
         fail("--fail-at-step needs --ckpt-dir (the restart resumes from it)")
+    if args.ckpt_dir and args.ckpt_dir.exists() and not args.ckpt_dir.is_dir():
+        fail(f"--ckpt-dir {args.ckpt_dir} is a file, not a directory of checkpoints")
     return args
 
 
@@ -235,6 +237,9 @@ def main(argv=None):
     try:
         train(args, rank, world, device)
     finally:
+        # Free DDP (its reducer sits in reference cycles) while Python is fully alive: left to
+        # interpreter shutdown, gloo's threads can abort the process after a finished run.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -27,6 +27,7 @@ The lineage (ZeRO, Rajbhandari et al. 2019, stage by stage):
 """
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -193,6 +194,7 @@ def main(argv=None):
     try:
         compare(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -38,6 +38,7 @@ One training step under FULL_SHARD, per FSDP unit (here: each Linear, then the r
 """
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -144,6 +145,7 @@ def main(argv=None):
     try:
         run(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -37,6 +37,7 @@ shards the *current* ranks hold, whatever the world size that saved them.
 """
 
 import argparse
+import gc
 import os
 import shutil
 import signal
@@ -100,6 +101,8 @@ def parse_args(argv=None):
         fail("--warmup-steps and --ckpt-every must be >= 0")
     if args.fail_at_step and not args.ckpt_dir:
         fail("--fail-at-step needs --ckpt-dir (the restart resumes from it)")
+    if args.ckpt_dir and args.ckpt_dir.exists() and not args.ckpt_dir.is_dir():
+        fail(f"--ckpt-dir {args.ckpt_dir} is a file, not a directory of checkpoints")
     return args
 
 
@@ -250,6 +253,7 @@ def main(argv=None):
     try:
         train(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -43,6 +43,7 @@ other, never reduced, and freed by finish_gradient_synchronization().
 """
 
 import argparse
+import gc
 import hashlib
 import math
 import os
@@ -319,6 +320,7 @@ def main(argv=None):
     try:
         train(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

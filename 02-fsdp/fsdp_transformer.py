@@ -35,6 +35,7 @@ What happens in one step (fully_shard on each block and at the root):
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import subprocess
@@ -396,6 +397,7 @@ def main(argv=None):
             write_results(args, results)
         dist.barrier()  # files are complete before any rank exits
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -174,27 +174,36 @@ def tp_unavailable_reason(world: int) -> str | None:
     return None
 
 
+def load_model(args) -> nn.Module:
+    """The plain GPT with the exported weights, checked before any process group exists."""
+    model = GPT(args.layers, args.width)
+    try:
+        weights = torch.load(args.weights, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated, corrupt, or not written by torch.save
+        fail(f"--weights {args.weights}: not a readable state dict ({type(exc).__name__})")
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as exc:  # wrong --layers / --width for this file
+        fail(f"--weights {args.weights} does not fit GPT(layers={args.layers}, "
+             f"width={args.width}): {str(exc).splitlines()[0]}")
+    return model.eval()
+
+
 def main(argv=None):
     args = parse_args(argv)
+    model = load_model(args)
     rank, world, device, deepspeed = init_distributed(args.device, args.timeout_s)
     try:
-        run(args, rank, world, device, deepspeed)
+        run(args, model, rank, world, device, deepspeed)
     finally:
         gc.collect()  # DeepSpeed's engines sit in reference cycles holding process groups
         dist.destroy_process_group()
 
 
-def run(args, rank, world, device, deepspeed):
+def run(args, model, rank, world, device, deepspeed):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if dtype != torch.float32 and device.type != "cuda":
         fail(f"--dtype {args.dtype} needs CUDA here; use fp32 on CPU")
-    model = GPT(args.layers, args.width)
-    try:
-        model.load_state_dict(torch.load(args.weights, map_location="cpu", weights_only=True))
-    except RuntimeError as exc:  # wrong --layers / --width for this file
-        fail(f"--weights {args.weights} does not fit GPT(layers={args.layers}, "
-             f"width={args.width}): {str(exc).splitlines()[0]}")
-    model.eval()
 
     # The same prompt on every rank (TP ranks compute one batch together).
     g = torch.Generator().manual_seed(args.seed)

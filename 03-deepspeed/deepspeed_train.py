@@ -116,6 +116,8 @@ def parse_args(argv=None):
         fail(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.fail_at_step and not args.ckpt_dir:
         fail("--fail-at-step needs --ckpt-dir (the restart resumes from it)")
+    if args.ckpt_dir and args.ckpt_dir.exists() and not args.ckpt_dir.is_dir():
+        fail(f"--ckpt-dir {args.ckpt_dir} is a file, not a directory of checkpoints")
     if args.export_source == "checkpoint" and not (args.export and args.ckpt_dir):
         fail("--export-source checkpoint needs --export and --ckpt-dir")
     return args

@@ -28,6 +28,7 @@ Communication per step: stage 1 all-reduce (2P) + broadcasts (P); stage 2 reduce
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -305,6 +306,7 @@ def main(argv=None):
                     "torch_version": torch.__version__}, indent=1))
         dist.barrier()
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -28,6 +28,7 @@ which hides launch latency: expect our small-message times to be higher than the
 """
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -302,6 +303,7 @@ def main(argv=None):
     try:
         rows = run(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
     if any(row["wrong"] for row in rows):
         sys.exit(1)

@@ -29,6 +29,7 @@ posted the matching recv, on NCCL small messages may be buffered but large ones 
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -236,6 +237,7 @@ def main(argv=None):
                       f"{args.timeout_s:g} s ...", flush=True)
             deadlock(rank, world, args.numel, device, args.timeout_s)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
     if not all(row["pass"] for row in rows):
         sys.exit(1)

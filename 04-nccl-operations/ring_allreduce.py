@@ -47,6 +47,7 @@ lets segment k+1 travel while segment k is added, as gloo does with 1 MiB segmen
 """
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -398,6 +399,7 @@ def main(argv=None):
     try:
         ok = run(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 

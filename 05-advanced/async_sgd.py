@@ -30,6 +30,7 @@ workers' compute is a tiny MLP, the point is the protocol and its staleness.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -249,6 +250,7 @@ def main(argv=None):
     try:
         run(args, rank, world)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

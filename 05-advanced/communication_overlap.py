@@ -34,6 +34,7 @@ collectives against overlap: one huge bucket cannot start before backward ends.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -382,6 +383,7 @@ def main(argv=None):
     try:
         run(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -31,6 +31,7 @@ download, the same bytes on every rank.
 """
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -208,6 +209,7 @@ def main(argv=None):
     try:
         run(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

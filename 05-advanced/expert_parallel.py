@@ -37,6 +37,7 @@ The backward of an all-to-all is the reverse all-to-all, so the backward pass ma
 """
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -275,6 +276,7 @@ def main(argv=None):
     try:
         train(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -35,6 +35,7 @@ the bug only surfaces when you switch optimizer, clip gradients or change A.
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -170,6 +171,7 @@ def main(argv=None):
     try:
         train(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -32,6 +32,7 @@ sum(grads).
 """
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -294,6 +295,7 @@ def main(argv=None):
     try:
         run(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -37,6 +37,7 @@ What turns a silent hang into a message, all shown here:
 
 import argparse
 import faulthandler
+import gc
 import os
 import re
 import subprocess
@@ -195,6 +196,7 @@ def main(argv=None):
             if rank == 0:
                 print("no error: this rank finished its part of the bug", flush=True)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
     sys.exit(status)
 

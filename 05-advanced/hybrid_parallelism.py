@@ -38,6 +38,7 @@ The losses are those of tensor_parallel.py's run (and of one process): the same 
 
 import argparse
 import contextlib
+import gc
 import inspect
 import json
 import logging
@@ -406,6 +407,7 @@ def main(argv=None):
     try:
         train(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

@@ -43,6 +43,7 @@ activation (rows, hidden) to stage s + 1, and receives d(loss)/d(output) of the 
 """
 
 import argparse
+import gc
 import inspect
 import json
 import os
@@ -726,6 +727,7 @@ def main(argv=None):
         else:
             sweep(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

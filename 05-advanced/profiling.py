@@ -27,6 +27,7 @@ Gradients are averaged by one explicit flat all-reduce after backward (no overla
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -144,6 +145,7 @@ def main(argv=None):
     try:
         run(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

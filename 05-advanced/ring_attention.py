@@ -32,6 +32,7 @@ stays O(T / W) per rank.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -298,6 +299,7 @@ def main(argv=None):
     try:
         run(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 

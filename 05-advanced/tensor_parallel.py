@@ -38,6 +38,7 @@ LayerNorm and the residual stream stop being computed (and stored) t times.
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -642,6 +643,7 @@ def main(argv=None):
     try:
         train(args, rank, world, device)
     finally:
+        gc.collect()  # free reference cycles holding the group while Python is alive
         dist.destroy_process_group()
 
 
