@@ -153,17 +153,43 @@ def run_torchrun_nodes(script: str, *args, nnodes: int = 2, nproc_per_node: int 
 
 
 def run_together(cmds: list[list], *, timeout: float = 120, env: dict | None = None,
-                 check: bool = True) -> list[Result]:
-    """Start several commands at once (e.g. one launcher per simulated node) and wait for all."""
+                 check: bool = True, grace: float = 30) -> list[Result]:
+    """Start several commands at once (e.g. one launcher per simulated node) and wait for all.
+
+    When one fails, the others get `grace` seconds to end too (a surviving launcher may otherwise
+    wait minutes at its exit barrier for a node that is gone); on failure every command's output
+    is shown.
+    """
+    import threading
     t0 = time.monotonic()
     procs = [start(c, env=env) for c in cmds]
-    results = []
+    outputs: list = [None] * len(procs)
+
+    def collect(i):
+        outputs[i] = procs[i].communicate()
+
+    threads = [threading.Thread(target=collect, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    deadline = t0 + timeout
     try:
-        for proc, cmd in zip(procs, cmds):
-            results.append(finish(proc, cmd, timeout=timeout, t0=t0, check=check))
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.2)
     finally:
         for proc in procs:
             _kill_group(proc)
+        for t in threads:
+            t.join(timeout=10)
+    results = []
+    for proc, cmd, out in zip(procs, cmds, outputs):
+        stdout, stderr = out if out is not None else ("", "")
+        code = proc.returncode if proc.returncode is not None else -9
+        results.append(Result([str(c) for c in cmd], code, stdout, stderr, time.monotonic() - t0))
+    if check and any(r.returncode != 0 for r in results):
+        raise AssertionError("a command failed or timed out (-9: killed)\n"
+                             + "\n".join(r.describe() for r in results))
     return results
 
 

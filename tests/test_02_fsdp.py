@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import (REPO, assert_bad_input, assert_state_dicts_close, assert_state_dicts_equal,
+from conftest import (REPO, assert_state_dicts_close, assert_state_dicts_equal,
                       load_export, read_json, run_python, run_torchrun)
 
 LESSON = "02-fsdp"
@@ -201,11 +201,7 @@ def test_communication_volume_full_shard_vs_ddp(gpt):
     assert ratio == pytest.approx(1.5 * padded / P)
 
 
-def test_bad_input_exits_2_with_one_line():
-    result = run_python(GPT_SCRIPT, "--strategy", "hybrid", "--shard-size", "2", check=False)
-    assert_bad_input(result, r"hybrid.*world size \(1\).*--shard-size \(2\)")
-    result = run_python(GPT_SCRIPT, "--heads", "5", "--dim", "64", check=False)
-    assert_bad_input(result, r"--heads 5 must divide --dim 64")
+# Bad --heads / --shard-size: tests/test_10_bad_inputs.py (on every rank).
 
 
 # --------------------------------------------------------------------------------------------------

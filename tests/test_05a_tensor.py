@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import (PYTHON, REPO, assert_bad_input, assert_state_dicts_close, finish,
+from conftest import (PYTHON, REPO, assert_state_dicts_close, finish,
                       free_port, load_export, read_json, run_python, run_torchrun, start)
 
 TP = "05-advanced/tensor_parallel.py"
@@ -182,16 +182,5 @@ def run_ranks(script: str, *args, world: int, timeout: float = 120) -> list:
     return [finish(p, cmd, timeout=timeout, t0=t0, check=False) for p in procs]
 
 
-def test_degrees_that_do_not_multiply_to_the_world_size_exit_2():
-    # Every rank finds the problem on its own and exits: had one of them reached
-    # init_process_group, it would wait there for the others until its timeout.
-    for rank, res in enumerate(run_ranks(HYBRID, "--dp", "3", "--tp", "2", world=4)):
-        assert_bad_input(res, rf"^\[rank {rank}\] error: --dp 3 x --tp 2 x --pp 1 = 6, but the "
-                              rf"world size is 4$")
-
-
-def test_heads_not_divisible_by_tp_exit_2():
-    # A shape check, independent of the world size: one process shows it.
-    res = run_python(HYBRID, "--tp", "2", "--heads", "3", "--hidden", "48", check=False)
-    assert_bad_input(res, r"^error: --heads 3 is not divisible by --tp 2: each TP rank must own "
-                          r"whole attention heads$")
+# Degrees that do not multiply to the world size, heads not divisible by --tp:
+# tests/test_10_bad_inputs.py (every rank exits 2 with one line).

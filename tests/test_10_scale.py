@@ -4,7 +4,10 @@
   `slurm` fixture compute exactly what torchrun computes; a job told to stop (SIGUSR1, as SLURM
   sends before the time limit) checkpoints, is requeued, and ends with the uninterrupted model.
 - Elastic: `torchrun --max-restarts 1` with an injected failure ends with the uninterrupted model.
-- Peer death: SIGKILL of one rank makes the other exit non-zero within --timeout-s (+ margin).
+- Lessons 02 and 03: their sbatch files and their elastic restarts end with the same weights as an
+  uninterrupted torchrun run.
+- Peer death: SIGKILL of one rank makes the other exit non-zero within --timeout-s (+ margin), for
+  DDP and FSDP.
 - Checkpoint atomicity: SIGKILL at random points of a run that checkpoints every step never leaves
   a newest checkpoint that fails to load, and resume picks the newest complete one.
 
@@ -16,7 +19,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -122,6 +124,52 @@ def test_elastic_restart_after_an_injected_failure_ends_equal(tmp_path, ddp_refe
 
 
 # --------------------------------------------------------------------------------------------------
+# Lessons 02 and 03: their job files and their elastic restarts reproduce an uninterrupted torchrun
+
+FSDP = "02-fsdp/fsdp_checkpoint.py"
+FSDP_ARGS = ["--steps", "12"]
+DS = "03-deepspeed/deepspeed_train.py"
+DS_ARGS = ["--steps", "8", "--deepspeed_config", "03-deepspeed/configs/zero2_config.json"]
+LESSONS = {"fsdp": (FSDP, FSDP_ARGS, "02-fsdp/slurm_fsdp.sbatch"),
+           "deepspeed": (DS, DS_ARGS, "03-deepspeed/slurm_deepspeed.sbatch")}
+
+
+@pytest.fixture(scope="module", params=sorted(LESSONS))
+def lesson(request, tmp_path_factory):
+    """(name, script, args, sbatch file, the uninterrupted 2-rank torchrun export)."""
+    script, args, job_file = LESSONS[request.param]
+    out = tmp_path_factory.mktemp(request.param) / "reference.pt"
+    run_torchrun(script, *args, "--export", str(out), nproc=2, timeout=240)
+    return request.param, script, args, job_file, load_export(out)
+
+
+def test_sbatch_of_lessons_02_and_03_equals_torchrun(slurm, tmp_path, lesson):
+    """02's job file (one torchrun per node) and 03's (one deepspeed launcher per node, --no_ssh,
+    a hostfile built from the allocation) with 2 ranks on the test cluster's node."""
+    name, script, args, job_file, reference = lesson
+    out = tmp_path / "sbatch.pt"
+    port = {"RDZV_PORT": free_port()} if name == "fsdp" else {"MASTER_PORT": free_port()}
+    sbatch(slurm, job_file, *args, "--export", out, output=tmp_path / "job.out",
+           env={"NPROC_PER_NODE": 2, "CKPT_DIR": tmp_path / "ckpt", **port})
+    assert_state_dicts_equal(load_export(out), reference, msg=f"{job_file} vs torchrun:")
+
+
+def test_elastic_restart_of_lessons_02_and_03_ends_equal(tmp_path, lesson):
+    """Rank 1 raises once at step 6; torchrun restarts both ranks, which resume from the step-4
+    checkpoint (DCP shards for FSDP, DeepSpeed's checkpoint for ZeRO-2)."""
+    name, script, args, _, reference = lesson
+    out, ckpt = tmp_path / "elastic.pt", tmp_path / "ckpt"
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", script, *args,
+           "--ckpt-dir", ckpt, "--ckpt-every", "4", "--fail-at-step", "6", "--fail-rank", "1",
+           "--export", out]
+    result = launch(cmd, timeout=240, env=ELASTIC_ENV)
+    assert "injected failure on rank 1 at step 6" in result.stderr
+    assert re.search(r"resumed from \S*(step_0*4|step 4)", result.stdout), result.stdout
+    assert (ckpt / "failed_once_at_step_6").exists()
+    assert_state_dicts_equal(load_export(out), reference, msg=f"{name} elastic vs uninterrupted:")
+
+
+# --------------------------------------------------------------------------------------------------
 # Peer death: no hang
 
 
@@ -146,10 +194,11 @@ MARGIN_S = 20
 
 
 @pytest.mark.parametrize("trial", range(5))
-def test_peer_death_ends_every_other_rank(tmp_path, trial):
+@pytest.mark.parametrize("script", [TRAIN, FSDP], ids=["ddp", "fsdp"])
+def test_peer_death_ends_every_other_rank(tmp_path, script, trial):
     rng = random.Random(trial)
-    procs = start_ranks(TRAIN, ["--steps", "1000000", "--log-every", "1", "--timeout-s",
-                                str(TIMEOUT_S)], 2, tmp_path)
+    procs = start_ranks(script, ["--steps", "1000000", "--log-every", "1", "--timeout-s",
+                                 str(TIMEOUT_S)], 2, tmp_path)
     try:
         log0 = tmp_path / "rank0.log"
         t0 = time.monotonic()
@@ -166,7 +215,7 @@ def test_peer_death_ends_every_other_rank(tmp_path, trial):
         elapsed = time.monotonic() - killed_at
         assert survivor.returncode != 0, "the survivor must fail, not report success"
         assert elapsed < TIMEOUT_S + MARGIN_S
-        print(f"trial {trial}: killed rank {victim}, rank {1 - victim} exited "
+        print(f"{script} trial {trial}: killed rank {victim}, rank {1 - victim} exited "
               f"{survivor.returncode} after {elapsed:.1f}s")
     finally:
         for p in procs:
