@@ -109,18 +109,25 @@ def test_preempted_job_checkpoints_is_requeued_and_ends_equal(slurm, tmp_path, d
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+def elastic_run(script: str, args: list, tmp_path: Path, *, every: int, fail_at: int):
+    """torchrun --max-restarts=1 with rank 1 raising once at step `fail_at` (checkpoints every
+    `every` steps); returns the launch result and the exported weights."""
+    out, ckpt = tmp_path / "elastic.pt", tmp_path / "ckpt"
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", script, *args,
+           "--ckpt-dir", ckpt, "--ckpt-every", str(every), "--fail-at-step", str(fail_at),
+           "--fail-rank", "1", "--export", out]
+    result = launch(cmd, timeout=240, env=ELASTIC_ENV)
+    assert f"injected failure on rank 1 at step {fail_at}" in result.stderr
+    assert (ckpt / f"failed_once_at_step_{fail_at}").exists()
+    return result, load_export(out)
+
+
 def test_elastic_restart_after_an_injected_failure_ends_equal(tmp_path, ddp_reference):
     """Rank 1 raises once at step 250; torchrun restarts the whole worker group, which resumes
     from the step-200 checkpoint and finishes with the uninterrupted model."""
-    out, ckpt = tmp_path / "elastic.pt", tmp_path / "ckpt"
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", TRAIN, *ARGS,
-           "--ckpt-dir", ckpt, "--ckpt-every", "100", "--fail-at-step", "250", "--fail-rank", "1",
-           "--export", out]
-    result = launch(cmd, timeout=240, env=ELASTIC_ENV)
-    assert "injected failure on rank 1 at step 250" in result.stderr
+    result, weights = elastic_run(TRAIN, ARGS, tmp_path, every=100, fail_at=250)
     assert "resumed from step 200" in result.stdout
-    assert (ckpt / "failed_once_at_step_250").exists()
-    assert_state_dicts_equal(load_export(out), ddp_reference, msg="elastic vs uninterrupted:")
+    assert_state_dicts_equal(weights, ddp_reference, msg="elastic vs uninterrupted:")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,15 +165,9 @@ def test_elastic_restart_of_lessons_02_and_03_ends_equal(tmp_path, lesson):
     """Rank 1 raises once at step 6; torchrun restarts both ranks, which resume from the step-4
     checkpoint (DCP shards for FSDP, DeepSpeed's checkpoint for ZeRO-2)."""
     name, script, args, _, reference = lesson
-    out, ckpt = tmp_path / "elastic.pt", tmp_path / "ckpt"
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", script, *args,
-           "--ckpt-dir", ckpt, "--ckpt-every", "4", "--fail-at-step", "6", "--fail-rank", "1",
-           "--export", out]
-    result = launch(cmd, timeout=240, env=ELASTIC_ENV)
-    assert "injected failure on rank 1 at step 6" in result.stderr
+    result, weights = elastic_run(script, args, tmp_path, every=4, fail_at=6)
     assert re.search(r"resumed from \S*(step_0*4|step 4)", result.stdout), result.stdout
-    assert (ckpt / "failed_once_at_step_6").exists()
-    assert_state_dicts_equal(load_export(out), reference, msg=f"{name} elastic vs uninterrupted:")
+    assert_state_dicts_equal(weights, reference, msg=f"{name} elastic vs uninterrupted:")
 
 
 # --------------------------------------------------------------------------------------------------
