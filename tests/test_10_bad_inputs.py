@@ -21,6 +21,10 @@ CASES = [
      r"--batch-size must be at least 1, got 0"),
     ("moe-batch", "05-advanced/expert_parallel.py", ["--batch-size", "10", "--group-size", "4"],
      r"--batch-size 10 is not a multiple of --group-size"),
+    # a device this machine does not have (the suite runs with CUDA hidden)
+    ("device-tpu", "01-ddp-basics/ddp_training.py", ["--device", "tpu"], r"invalid choice: 'tpu'"),
+    ("device-cuda", "01-ddp-basics/ddp_training.py", ["--device", "cuda"],
+     r"--device cuda was asked for, but CUDA is not available on this machine"),
     # world size larger than the data
     ("mnist-world", "01-ddp-basics/ddp_mnist.py", ["--batch-size", "4096"],
      r"4096 training images cannot give 2 ranks a batch of 4096"),

@@ -53,16 +53,24 @@ def test_srun_python_equals_torchrun(slurm, tmp_path, ddp_reference):
     assert_state_dicts_equal(load_export(out), ddp_reference, msg="srun vs torchrun:")
 
 
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
 def sbatch(slurm, script, *args, env: dict, output: Path, wait: bool = True) -> str:
-    """Submit a batch file from the repository root; return the job id."""
+    """Submit a batch file from the repository root; return the job id. With `wait`, return when
+    the job has finished and assert that it completed. (We poll rather than use `sbatch --wait`,
+    whose polling interval grows to 10 s and added ~25 s to each job here.)"""
     exports = ",".join(["ALL"] + [f"{k}={v}" for k, v in env.items()])
     cmd = ["sbatch", "--parsable", "--nodes=1", f"--output={output}", "--open-mode=append",
-           f"--export={exports}"] + (["--wait"] if wait else []) + [script, *args]
-    result = slurm.run(cmd, check=False)
+           f"--export={exports}", script, *args]
+    job = slurm.run(cmd).stdout.strip().split(";")[0]
     if wait:
-        assert result.returncode == 0, f"job failed:\n{output.read_text()[-4000:]}" \
-                                       f"\n{result.describe()}"
-    return result.stdout.strip().split(";")[0]
+        slurm.wait_for(lambda: slurm.job_state(job) in FINISHED, timeout=240,
+                       what=f"job {job} to finish")
+        state = slurm.job_state(job)
+        log = output.read_text()[-4000:] if output.exists() else "(no output file)"
+        assert state == "COMPLETED", f"job {job} ended {state}:\n{log}"
+    return job
 
 
 def test_sbatch_ddp_equals_torchrun(slurm, tmp_path, ddp_reference):
@@ -87,8 +95,8 @@ def test_preempted_job_checkpoints_is_requeued_and_ends_equal(slurm, tmp_path, d
     # cluster, 120 s by default).
     slurm.wait_for(lambda: "Restarts=1" in slurm.query("scontrol", "show", "job", job),
                    timeout=120, what="the requeue")
-    slurm.wait_for(lambda: slurm.job_state(job) in ("COMPLETED", "FAILED", "CANCELLED"),
-                   timeout=240, what="the requeued job to finish")
+    slurm.wait_for(lambda: slurm.job_state(job) in FINISHED, timeout=240,
+                   what="the requeued job to finish")
     text = log.read_text()
     assert slurm.job_state(job) == "COMPLETED", text[-4000:]
     stopped = re.search(r"SIGTERM: checkpointed step (\d+)", text)
