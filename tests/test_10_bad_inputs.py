@@ -19,8 +19,6 @@ CASES = [
     # bad batch
     ("batch-zero", "01-ddp-basics/ddp_training.py", ["--batch-size", "0"],
      r"--batch-size must be at least 1, got 0"),
-    ("moe-batch", "05-advanced/expert_parallel.py", ["--batch-size", "10", "--group-size", "4"],
-     r"--batch-size 10 is not a multiple of --group-size"),
     # a device this machine does not have (the suite runs with CUDA hidden)
     ("device-tpu", "01-ddp-basics/ddp_training.py", ["--device", "tpu"], r"invalid choice: 'tpu'"),
     ("device-cuda", "01-ddp-basics/ddp_training.py", ["--device", "cuda"],
@@ -28,8 +26,6 @@ CASES = [
     # world size larger than the data
     ("mnist-world", "01-ddp-basics/ddp_mnist.py", ["--batch-size", "4096"],
      r"4096 training images cannot give 2 ranks a batch of 4096"),
-    ("loader-world", "05-advanced/data_loading.py", ["--images", "1"],
-     r"--images 1 over 2 ranks leaves 0 per rank"),
     # missing data
     ("mnist-missing", "01-ddp-basics/ddp_mnist.py",
      ["--dataset", "mnist", "--data-dir", "{tmp}/nowhere"], r"no MNIST in \S*nowhere"),
@@ -45,17 +41,11 @@ CASES = [
     ("ds-batch", DS_TRAIN, ["--deepspeed_config", "{tmp}/batch.json"],
      r"train_batch_size 64 != train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1"
      r" x world size 2 = 16"),
-    ("ds-missing", DS_TRAIN, ["--deepspeed_config", "{tmp}/missing.json"],
-     r"--deepspeed_config \S*missing\.json: file not found"),
     # bad degrees and shapes
     ("fsdp-hybrid", "02-fsdp/fsdp_transformer.py", ["--strategy", "hybrid", "--shard-size", "3"],
      r"hybrid needs the world size \(2\) to be a multiple of .*--shard-size \(3\)"),
-    ("fsdp-heads", "02-fsdp/fsdp_transformer.py", ["--heads", "5", "--dim", "64"],
-     r"--heads 5 must divide --dim 64"),
     ("hybrid-degrees", "05-advanced/hybrid_parallelism.py", ["--dp", "3", "--tp", "2"],
      r"--dp 3 x --tp 2 x --pp 1 = 6, but the world size is 2$"),
-    ("tp-heads", "05-advanced/hybrid_parallelism.py", ["--tp", "2", "--heads", "3", "--hidden", "48"],
-     r"--heads 3 is not divisible by --tp 2"),
     ("pp-layers", "05-advanced/pipeline_parallel.py", ["--layers", "1"],
      r"2 pipeline ranks x 1 stage\(s\) per rank = 2 stages, but --layers 1 gives fewer layers"),
     ("moe-experts", "05-advanced/expert_parallel.py", ["--experts", "3"],
