@@ -180,7 +180,9 @@ def main(argv=None):
                   f"{args.stack_dump_s:g} s", flush=True)
             print("a live hang is inspected with: " + " ; ".join(
                 f"py-spy dump --pid {pid}  # rank {r}" for r, pid in enumerate(pids)), flush=True)
-        faulthandler.dump_traceback_later(args.stack_dump_s, exit=False)
+        # Rank r dumps 0.1 r s later than rank 0: the ranks share one stderr, and dumps written at
+        # the same moment interleave character by character.
+        faulthandler.dump_traceback_later(args.stack_dump_s + 0.1 * rank, exit=False)
         t0 = time.perf_counter()
         try:
             BUG_FUNCTIONS[args.bug](rank, world, args.timeout_s)

@@ -195,8 +195,10 @@ def test_error_feedback_conserves_the_gradient(compression):
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("async")
-    # 1 server + 2 workers, the second 20 ms slower per step; local SGD with H = 1.
-    run_torchrun(ASYNC, "--steps", "10", "--local-steps", "1", "--worker-delay-ms", "0", "20",
+    # 1 server + 2 workers taking 5 and 20 ms per step; local SGD with H = 1. The fast worker's
+    # 5 ms keeps it pushing all through the slow worker's steps (with 0 ms it could finish its 10
+    # steps before the slow worker's first push on a busy machine, and show no staleness).
+    run_torchrun(ASYNC, "--steps", "10", "--local-steps", "1", "--worker-delay-ms", "5", "20",
                  "--export-dir", d, "--json-out", d / "run.json", nproc=3)
     return d
 

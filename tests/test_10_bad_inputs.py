@@ -35,7 +35,6 @@ CASES = [
     ("weights-corrupt", "03-deepspeed/deepspeed_inference.py", ["--weights", "{tmp}/junk.pt"],
      r"--weights \S*junk\.pt: not a readable state dict"),
     # bad config
-    ("ds-json", DS_TRAIN, ["--deepspeed_config", "{tmp}/malformed.json"], r"malformed JSON"),
     ("ds-stage", DS_TRAIN, ["--deepspeed_config", "{tmp}/stage4.json"],
      r"zero_optimization\.stage must be 0, 1, 2 or 3, got 4"),
     ("ds-batch", DS_TRAIN, ["--deepspeed_config", "{tmp}/batch.json"],
@@ -46,17 +45,12 @@ CASES = [
      r"hybrid needs the world size \(2\) to be a multiple of .*--shard-size \(3\)"),
     ("hybrid-degrees", "05-advanced/hybrid_parallelism.py", ["--dp", "3", "--tp", "2"],
      r"--dp 3 x --tp 2 x --pp 1 = 6, but the world size is 2$"),
-    ("pp-layers", "05-advanced/pipeline_parallel.py", ["--layers", "1"],
-     r"2 pipeline ranks x 1 stage\(s\) per rank = 2 stages, but --layers 1 gives fewer layers"),
-    ("moe-experts", "05-advanced/expert_parallel.py", ["--experts", "3"],
-     r"--experts 3 is not divisible by the world size 2"),
     ("bw-op", "04-nccl-operations/bandwidth_test.py", ["--ops", "all_sum"],
      r"--ops: unknown all_sum"),
 ]
 
 FILES = {
     "junk.pt": "not a checkpoint",
-    "malformed.json": '{"zero_optimization": {"stage": 2,}}',
     "stage4.json": '{"zero_optimization": {"stage": 4}}',
     "batch.json": '{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}',
 }
