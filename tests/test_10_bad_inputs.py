@@ -1,7 +1,8 @@
-"""Bad input across the lessons (DESIGN 2.10): each case is started as 2 ranks with the variables
-torchrun sets, and EVERY rank must exit with status 2 after one stderr line that names the problem,
-within seconds: the checks run before any collective, so no rank is left waiting for a peer that
-already gave up (which would otherwise end only at the collective timeout, minutes later).
+"""Bad input across the lessons (DESIGN 2.10): each case is started as 2 ranks (or as many as
+WORLDS says) with the variables torchrun sets, and EVERY rank must exit with status 2 after one
+stderr line that names the problem, within seconds: the checks run before any collective, so no
+rank is left waiting for a peer that already gave up (which would otherwise end only at the
+collective timeout, minutes later). The table holds the bad-input items of issues 2 and 4-7.
 
 Ranks are started directly (`run_ranks`), not under torchrun, so each rank's own exit status and
 stderr are visible.
@@ -34,23 +35,38 @@ CASES = [
      r"--ckpt-dir \S*junk\.pt is a file, not a directory of checkpoints"),
     ("weights-corrupt", "03-deepspeed/deepspeed_inference.py", ["--weights", "{tmp}/junk.pt"],
      r"--weights \S*junk\.pt: not a readable state dict"),
-    # bad config
+    # bad config (issue 5: malformed JSON, stage 4, inconsistent batch, a missing file)
+    ("ds-json", DS_TRAIN, ["--deepspeed_config", "{tmp}/malformed.json"], r"malformed JSON"),
     ("ds-stage", DS_TRAIN, ["--deepspeed_config", "{tmp}/stage4.json"],
      r"zero_optimization\.stage must be 0, 1, 2 or 3, got 4"),
     ("ds-batch", DS_TRAIN, ["--deepspeed_config", "{tmp}/batch.json"],
      r"train_batch_size 64 != train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1"
      r" x world size 2 = 16"),
+    ("ds-missing", DS_TRAIN, ["--deepspeed_config", "{tmp}/missing.json"],
+     r"--deepspeed_config \S*missing\.json: file not found"),
     # bad degrees and shapes
     ("fsdp-hybrid", "02-fsdp/fsdp_transformer.py", ["--strategy", "hybrid", "--shard-size", "3"],
      r"hybrid needs the world size \(2\) to be a multiple of .*--shard-size \(3\)"),
+    ("fsdp-heads", "02-fsdp/fsdp_transformer.py", ["--heads", "5", "--dim", "64"],
+     r"--heads 5 must divide --dim 64"),
     ("hybrid-degrees", "05-advanced/hybrid_parallelism.py", ["--dp", "3", "--tp", "2"],
-     r"--dp 3 x --tp 2 x --pp 1 = 6, but the world size is 2$"),
+     r"--dp 3 x --tp 2 x --pp 1 = 6, but the world size is 4$"),  # at world 4 (WORLDS)
+    ("tp-heads", "05-advanced/hybrid_parallelism.py", ["--tp", "2", "--heads", "3", "--hidden", "48"],
+     r"--heads 3 is not divisible by --tp 2"),
+    ("pp-layers", "05-advanced/pipeline_parallel.py", ["--layers", "1"],
+     r"2 pipeline ranks x 1 stage\(s\) per rank = 2 stages, but --layers 1 gives fewer layers"),
+    ("moe-experts", "05-advanced/expert_parallel.py", ["--experts", "3"],
+     r"--experts 3 is not divisible by the world size 2"),
     ("bw-op", "04-nccl-operations/bandwidth_test.py", ["--ops", "all_sum"],
      r"--ops: unknown all_sum"),
 ]
 
+# Cases run at another world size than 2.
+WORLDS = {"hybrid-degrees": 4}
+
 FILES = {
     "junk.pt": "not a checkpoint",
+    "malformed.json": '{"zero_optimization": {"stage": 2,}}',
     "stage4.json": '{"zero_optimization": {"stage": 4}}',
     "batch.json": '{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}',
 }
@@ -72,6 +88,7 @@ def test_bad_input_exits_2_with_one_line_on_every_rank(tmp_path, case, script, a
     for name, content in FILES.items():
         (tmp_path / name).write_text(content)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    for rank, result in enumerate(run_ranks(script, *argv, world=2, timeout=WITHIN_S * 2)):
+    world = WORLDS.get(case, 2)
+    for rank, result in enumerate(run_ranks(script, *argv, world=world, timeout=WITHIN_S * 2)):
         assert_bad_input(result, rf"^\[rank {rank}\] error: .*{pattern}")
         assert result.elapsed < WITHIN_S, f"rank {rank} took {result.elapsed:.1f}s"
