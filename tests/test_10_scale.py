@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import (PYTHON, REPO, assert_state_dicts_equal, base_env, free_port, launch,
-                      load_export, run_torchrun)
+                      load_export, readme_mentions, run_torchrun)
 
 TRAIN = "01-ddp-basics/ddp_training.py"
 SBATCH_DDP = "01-ddp-basics/slurm_ddp.sbatch"
@@ -147,6 +147,15 @@ DS = "03-deepspeed/deepspeed_train.py"
 DS_ARGS = ["--steps", "8", "--deepspeed_config", "03-deepspeed/configs/zero2_config.json"]
 LESSONS = {"fsdp": (FSDP, FSDP_ARGS, "02-fsdp/slurm_fsdp.sbatch"),
            "deepspeed": (DS, DS_ARGS, "03-deepspeed/slurm_deepspeed.sbatch")}
+# The cluster-sized submissions each lesson README shows (```sh: they need a real cluster); the
+# test submits the same file with 2 ranks and a few steps.
+DOCUMENTED = {
+    "fsdp": ("02-fsdp/README.md",
+             "sbatch --nodes=4 02-fsdp/slurm_fsdp.sbatch --steps 2000 --ckpt-every 100"),
+    "deepspeed": ("03-deepspeed/README.md",
+                  "sbatch 03-deepspeed/slurm_deepspeed.sbatch --steps 2000 --deepspeed_config "
+                  "03-deepspeed/configs/zero3_config.json"),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(LESSONS))
@@ -162,6 +171,7 @@ def test_sbatch_of_lessons_02_and_03_equals_torchrun(slurm, tmp_path, lesson):
     """02's job file (one torchrun per node) and 03's (one deepspeed launcher per node, --no_ssh,
     a hostfile built from the allocation) with 2 ranks on the test cluster's node."""
     name, script, args, job_file, reference = lesson
+    assert readme_mentions(REPO / DOCUMENTED[name][0], DOCUMENTED[name][1])
     out = tmp_path / "sbatch.pt"
     port = {"RDZV_PORT": free_port()} if name == "fsdp" else {"MASTER_PORT": free_port()}
     sbatch(slurm, job_file, *args, "--export", out, output=tmp_path / "job.out",
