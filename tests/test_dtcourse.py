@@ -1,0 +1,158 @@
+"""The shared module on its own: which launcher started a process and who it is.
+
+Each environment below is what that launcher gives a worker (torchrun, the deepspeed launcher and
+srun environments were read from real runs of them; OpenMPI's from its documented variables),
+trimmed to what matters. detect() must return the rank, local rank, world size, master address
+and port, and say in one message what is wrong when the variables contradict each other.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, base_env
+from dtcourse.launch import Launch, LaunchError, detect, first_host, slurm_port
+from dtcourse.models import GPT, MLP, gpt_parameter_count, init_gpt
+
+TORCHRUN = {"GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611", "RANK": "1", "ROLE_RANK": "1",
+            "ROLE_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2"}
+DEEPSPEED = {"CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_RANK": "1", "LOCAL_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29612", "RANK": "1", "WORLD_SIZE": "2"}
+SRUN_ONE_NODE = {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "vm", "SLURM_LOCALID": "1",
+                 "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
+                 "SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "vm",
+                 "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "2",
+                 "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2"}
+# Task 5 of `srun -N 2 --ntasks-per-node=4` as the job's third step: second node, local rank 1.
+SRUN_TWO_NODES = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]",
+                  "SLURM_LOCALID": "1", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+                  "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_STEP_ID": "2",
+                  "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_NUM_NODES": "2",
+                  "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+# What a batch script's own process sees: SLURM_PROCID but no step of tasks.
+SBATCH_SCRIPT = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "vm", "SLURM_LOCALID": "0",
+                 "SLURM_NODEID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+OPENMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+
+
+@pytest.mark.parametrize("env,expected", [
+    (TORCHRUN, Launch("torchrun", 1, 2, 1, 2, "127.0.0.1", 29611)),
+    (DEEPSPEED, Launch("deepspeed", 1, 2, 1, 2, "127.0.0.1", 29612)),
+    (SRUN_ONE_NODE, Launch("srun", 1, 2, 1, 2, "vm", 20010)),
+    (SRUN_TWO_NODES, Launch("srun", 5, 8, 1, 4, "gpu07", 20000 + (42420 + 2) % 10000)),
+    (OPENMPI, Launch("mpirun", 3, 4, 3, 4, "127.0.0.1", 29500)),
+    ({**OPENMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "MASTER_ADDR": "n1", "MASTER_PORT": "6000"}, Launch("mpirun", 3, 4, 1, 2, "n1", 6000)),
+    ({}, Launch("python", 0, 1, 0, 1, None, None)),
+    (SBATCH_SCRIPT, Launch("python", 0, 1, 0, 1, None, None)),
+    # torchrun started by srun (one launcher per node): torchrun's numbering wins.
+    ({**SRUN_TWO_NODES, **TORCHRUN}, Launch("torchrun", 1, 2, 1, 2, "127.0.0.1", 29611)),
+    # MASTER_ADDR / MASTER_PORT given to srun tasks are used as given.
+    ({**SRUN_TWO_NODES, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"},
+     Launch("srun", 5, 8, 1, 4, "10.0.0.1", 29400)),
+], ids=["torchrun", "deepspeed", "srun-1-node", "srun-2-nodes", "mpirun-1-node", "mpirun-2-nodes",
+        "python", "sbatch-script", "torchrun-under-srun", "srun-with-master"])
+def test_detect(env, expected):
+    assert detect(env) == expected
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, r"RANK is set but WORLD_SIZE is not"),
+    ({"WORLD_SIZE": "2"}, r"WORLD_SIZE is set but RANK is not"),
+    ({**TORCHRUN, "RANK": "2"}, r"RANK=2 is not a rank of a world of WORLD_SIZE=2"),
+    ({**TORCHRUN, "RANK": "one"}, r"RANK='one' is not a whole number"),
+    ({**TORCHRUN, "WORLD_SIZE": "0", "RANK": "0"}, r"WORLD_SIZE=0: the world size must be"),
+    ({**TORCHRUN, "LOCAL_RANK": "2"}, r"LOCAL_RANK=2 is not a local rank of the 2 processes"),
+    ({k: v for k, v in TORCHRUN.items() if k != "LOCAL_RANK"}, r"RANK and WORLD_SIZE are set \(world 2\) but LOCAL_RANK is not"),
+    ({k: v for k, v in TORCHRUN.items() if k != "MASTER_ADDR"}, r"MASTER_ADDR is not"),
+    ({k: v for k, v in DEEPSPEED.items() if not k.startswith("MASTER")},
+     r"MASTER_ADDR and MASTER_PORT are not"),
+    ({**TORCHRUN, "MASTER_PORT": "70000"}, r"MASTER_PORT='70000' is not a TCP port"),
+    ({**SRUN_ONE_NODE, "SLURM_PROCID": "2"},
+     r"SLURM_PROCID=2 is not a rank of a world of SLURM_STEP_NUM_TASKS=2"),
+    ({k: v for k, v in SRUN_ONE_NODE.items() if k != "SLURM_LOCALID"}, r"SLURM_LOCALID is not"),
+    ({**SRUN_TWO_NODES, "SLURM_LOCALID": "4"}, r"SLURM_LOCALID=4 is not a local rank of the 4"),
+    ({**SRUN_TWO_NODES, "SLURM_NODEID": "2"}, r"SLURM_NODEID=2 is not one of the 2 nodes"),
+    ({k: v for k, v in SRUN_ONE_NODE.items() if "NODELIST" not in k}, r"set MASTER_ADDR"),
+    ({k: v for k, v in SRUN_ONE_NODE.items() if k != "SLURM_JOB_ID"}, r"set MASTER_PORT"),
+    ({"OMPI_COMM_WORLD_RANK": "0"}, r"OMPI_COMM_WORLD_SIZE is not set"),
+    ({**OPENMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+     r"several nodes .* MASTER_ADDR is not set: pass -x MASTER_ADDR"),
+])
+def test_detect_rejects_contradictions(env, message):
+    with pytest.raises(LaunchError, match=message):
+        detect(env)
+
+
+@pytest.mark.parametrize("nodelist,host", [
+    ("vm", "vm"), ("gpu[07-09,12],cpu1", "gpu07"), ("a,b", "a"), ("n[3,5]", "n3"),
+    ("rack[1-2]-n[03-04]", "rack1-n03"), ("node-10", "node-10")])
+def test_first_host_matches_scontrol(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_slurm_port_is_shared_by_a_step_and_differs_between_steps():
+    assert slurm_port("4242", "2") == slurm_port("4242", "2")
+    assert slurm_port("4242", "2") != slurm_port("4242", "3")
+    assert 20000 <= slurm_port("99999999", "batch") < 30000
+
+
+def test_bad_launch_environment_is_one_line_and_exit_2():
+    """setup() turns a LaunchError into the course's bad-input exit: one stderr line, status 2."""
+    code = "from dtcourse.launch import setup; setup('cpu', 10)"
+    r = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env=base_env({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                     "MASTER_PORT": "1234"}))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "[rank 3] error: RANK=3 is not a rank of a world of WORLD_SIZE=2 (ranks are 0..1)"]
+
+
+def test_shared_module_imports_from_any_directory(tmp_path):
+    """Installed by requirements.txt (editable), not found through the working directory."""
+    r = subprocess.run([sys.executable, "-c", "import dtcourse.launch, dtcourse.models; "
+                        "print(dtcourse.__file__)"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, env=base_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(REPO / "dtcourse" / "__init__.py")
+
+
+# --------------------------------------------------------------------------------------------------
+# Models
+
+
+@pytest.mark.parametrize("vocab,seq_len,dim,heads,layers", [(256, 32, 64, 4, 2), (50, 7, 24, 3, 3)])
+def test_gpt_parameter_count_formula(vocab, seq_len, dim, heads, layers):
+    model = GPT(vocab, seq_len, dim, heads, layers)
+    assert sum(p.numel() for p in model.parameters()) == \
+        gpt_parameter_count(vocab, seq_len, dim, layers)
+
+
+def test_init_gpt_is_a_function_of_seed_and_name():
+    """Two GPTs built under different global RNG states get the same weights from init_gpt, and
+    a different seed gives different ones; biases 0, norms 1, residual projections smaller."""
+    torch.manual_seed(1)
+    a = GPT(layers=2)
+    torch.manual_seed(2)
+    b = GPT(layers=2)
+    init_gpt(a, seed=5)
+    init_gpt(b, seed=5)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    init_gpt(b, seed=6)
+    assert not torch.equal(a.blocks[0].attn.q.weight, b.blocks[0].attn.q.weight)
+    sd = a.state_dict()
+    assert torch.all(sd["blocks.0.attn.q.bias"] == 0) and torch.all(sd["ln_f.weight"] == 1)
+    assert sd["blocks.1.mlp.fc2.weight"].std() < 0.6 * sd["blocks.1.mlp.fc1.weight"].std()
+
+
+def test_mlp_depth_keeps_the_state_dict_names():
+    assert list(MLP(16, depth=2).state_dict()) == [f"net.{i}.{k}" for i in (0, 2, 4)
+                                                   for k in ("weight", "bias")]
+    assert list(MLP(16, depth=1).state_dict()) == [f"net.{i}.{k}" for i in (0, 2)
+                                                   for k in ("weight", "bias")]
