@@ -91,3 +91,20 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
 def check_ckpt_dir(path: Path | None) -> None:
     if path is not None and path.exists() and not path.is_dir():
         fail(f"--ckpt-dir {path} is a file, not a directory of checkpoints")
+
+
+def add_gpt_args(p: argparse.ArgumentParser, *, layers: int = 2, dim: int = 64, heads: int = 4,
+                 seq_len: int = 32, vocab: int = 256) -> None:
+    """The shape of dtcourse.models.GPT, the same flags in every lesson that trains it."""
+    p.add_argument("--layers", type=int, default=layers, help="transformer blocks")
+    p.add_argument("--dim", type=int, default=dim, help="model width")
+    p.add_argument("--heads", type=int, default=heads, help="attention heads (must divide --dim)")
+    p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
+    p.add_argument("--vocab", type=int, default=vocab, help="vocabulary size")
+
+
+def check_gpt_args(args: argparse.Namespace) -> None:
+    check_positive(args, "layers", "dim", "heads", "seq_len", "vocab")
+    if args.dim % args.heads:
+        fail(f"--heads {args.heads} must divide --dim {args.dim}: each head takes dim/heads "
+             f"features ({args.dim}/{args.heads} is not a whole number)")

@@ -187,6 +187,15 @@ def _port(value: str, name: str) -> int:
     return int(value)
 
 
+def launched() -> Launch:
+    """This process's launch as os.environ describes it, or fail() with the reason: for checks
+    that need the world size before any process group exists (degrees that must divide it)."""
+    try:
+        return detect(os.environ)
+    except LaunchError as exc:
+        fail(str(exc))
+
+
 # --------------------------------------------------------------------------------------------------
 # Device and process group
 
@@ -232,10 +241,7 @@ def setup(device: str = "auto", timeout_s: float = 120.0) -> Dist:
     RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, which libraries
     built on torch.distributed (DeepSpeed among them) read.
     """
-    try:
-        launch = detect(os.environ)
-    except LaunchError as exc:
-        fail(str(exc))
+    launch = launched()
     dev = choose_device(device, launch)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

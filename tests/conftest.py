@@ -231,7 +231,7 @@ def read_json(path: Path | str):
 
 
 def load_export(path: Path | str) -> dict[str, torch.Tensor]:
-    """An exported plain state dict (DESIGN 2.8): loads on CPU without any parallel wrapper."""
+    """An exported plain state dict (--export): loads on CPU without any parallel wrapper."""
     sd = torch.load(path, map_location="cpu", weights_only=True)
     assert isinstance(sd, dict) and sd, f"{path} does not hold a state dict"
     return sd
@@ -253,7 +253,7 @@ def assert_state_dicts_equal(actual: dict, expected: dict, msg: str = "") -> Non
 
 
 def assert_bad_input(result: Result, pattern: str, *, ranks: int = 1) -> None:
-    """DESIGN 2.10: exit status 2 and exactly one stderr line per rank, naming the problem."""
+    """Bad input: exit status 2 and exactly one stderr line per rank, naming the problem."""
     assert result.returncode == 2, f"expected exit status 2\n{result.describe()}"
     lines = result.stderr_lines()
     assert len(lines) == ranks, f"expected {ranks} stderr line(s), got {len(lines)}\n" \
@@ -436,10 +436,11 @@ def repo() -> Path:
 # Scheduling: with `-n 2 --dist loadfile` each worker takes whole files in collection order, so the
 # longest files go first (longest-processing-time-first); otherwise a long file that starts last
 # keeps one core idle at the end. Measured wall times at -n 2 on the 2-core CI machine.
-LONGEST_FIRST = ["test_10_scale.py", "test_readmes.py", "test_03_deepspeed.py", "test_01_ddp.py",
-                 "test_02_fsdp.py", "test_05b_pipeline.py", "test_09_benchmarks.py",
-                 "test_05a_tensor.py", "test_05c_dp_techniques.py", "test_10_bad_inputs.py",
-                 "test_04_nccl.py"]
+LONGEST_FIRST = ["test_scale.py", "test_launchers.py", "test_readmes.py", "test_03_deepspeed.py",
+                 "test_01_ddp.py", "test_02_fsdp.py", "test_05b_pipeline_expert_context.py",
+                 "test_benchmarks.py", "test_05a_tensor_sequence_hybrid.py",
+                 "test_05c_data_parallel_techniques.py", "test_bad_inputs.py", "test_04_nccl.py",
+                 "test_dtcourse.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -1,5 +1,6 @@
-"""Test worker (launched by tests/test_05a_tensor.py with torchrun at world size 4): the tensor-
-parallel layers of 05-advanced/tensor_parallel.py, hand-written and DTensor, against dense layers.
+"""Test worker (launched by tests/test_05a_tensor_sequence_hybrid.py with torchrun at world size 4):
+the tensor-parallel layers of 05-advanced/a-tensor-sequence-hybrid/tensor_parallel.py, hand-written
+and DTensor, against dense layers.
 
 For TP degree 4 (all ranks) and TP degree 2 (two groups of two on a (2, 2) mesh), and for each of
 ColumnParallelLinear, RowParallelLinear, a whole transformer block (attention + MLP) by hand, by
@@ -23,9 +24,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from dtcourse.models import Block
+
 REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("tensor_parallel",
-                                              REPO / "05-advanced" / "tensor_parallel.py")
+spec = importlib.util.spec_from_file_location(
+    "tensor_parallel", REPO / "05-advanced" / "a-tensor-sequence-hybrid" / "tensor_parallel.py")
 tp_lesson = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tp_lesson)
 
@@ -129,7 +132,7 @@ def run_checks(mesh, args, log):
         log.append(f"tp{t} row-parallel {impl}")
 
     # --- A whole block: attention (heads split) + MLP, with and without sequence parallelism --
-    block = tp_lesson.Block(H, HEADS)
+    block = Block(H, HEADS)  # the course's GPT block, torch's default init under the seed above
     xd = x.clone().requires_grad_()
     yd = block(xd)
     (yd * w_out).sum().backward()

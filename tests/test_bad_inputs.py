@@ -1,8 +1,10 @@
-"""Bad input across the lessons (DESIGN 2.10): each case is started as 2 ranks (or as many as
+"""Bad input across the lessons: each case is started as 2 ranks (or as many as
 WORLDS says) with the variables torchrun sets, and EVERY rank must exit with status 2 after one
 stderr line that names the problem, within seconds: the checks run before any collective, so no
 rank is left waiting for a peer that already gave up (which would otherwise end only at the
-collective timeout, minutes later). The table holds the bad-input items of issues 2 and 4-7.
+collective timeout, minutes later). The table covers each lesson's kinds of bad input: batch,
+device, world size against the data, missing data, unreadable checkpoints and weights, DeepSpeed
+configs, and parallel degrees and shapes.
 
 Ranks are started directly (`run_ranks`), not under torchrun, so each rank's own exit status and
 stderr are visible.
@@ -13,6 +15,7 @@ import pytest
 from conftest import assert_bad_input, run_ranks
 
 DS_TRAIN = "03-deepspeed/deepspeed_train.py"
+HYBRID = "05-advanced/a-tensor-sequence-hybrid/hybrid_parallelism.py"
 
 # (id, script, arguments, what the line must say). "{tmp}" is a per-test directory; files named
 # in `FILES` are written there first.
@@ -35,7 +38,7 @@ CASES = [
      r"--ckpt-dir \S*junk\.pt is a file, not a directory of checkpoints"),
     ("weights-corrupt", "03-deepspeed/deepspeed_inference.py", ["--weights", "{tmp}/junk.pt"],
      r"--weights \S*junk\.pt: not a readable state dict"),
-    # bad config (issue 5: malformed JSON, stage 4, inconsistent batch, a missing file)
+    # bad config (malformed JSON, stage 4, inconsistent batch, a missing file)
     ("ds-json", DS_TRAIN, ["--deepspeed_config", "{tmp}/malformed.json"], r"malformed JSON"),
     ("ds-stage", DS_TRAIN, ["--deepspeed_config", "{tmp}/stage4.json"],
      r"zero_optimization\.stage must be 0, 1, 2 or 3, got 4"),
@@ -49,13 +52,13 @@ CASES = [
      r"hybrid needs the world size \(2\) to be a multiple of .*--shard-size \(3\)"),
     ("fsdp-heads", "02-fsdp/fsdp_transformer.py", ["--heads", "5", "--dim", "64"],
      r"--heads 5 must divide --dim 64"),
-    ("hybrid-degrees", "05-advanced/hybrid_parallelism.py", ["--dp", "3", "--tp", "2"],
+    ("hybrid-degrees", HYBRID, ["--dp", "3", "--tp", "2"],
      r"--dp 3 x --tp 2 x --pp 1 = 6, but the world size is 4$"),  # at world 4 (WORLDS)
-    ("tp-heads", "05-advanced/hybrid_parallelism.py", ["--tp", "2", "--heads", "3", "--hidden", "48"],
+    ("tp-heads", HYBRID, ["--tp", "2", "--heads", "3", "--dim", "48"],
      r"--heads 3 is not divisible by --tp 2"),
-    ("pp-layers", "05-advanced/pipeline_parallel.py", ["--layers", "1"],
+    ("pp-layers", "05-advanced/b-pipeline-expert-context/pipeline_parallel.py", ["--layers", "1"],
      r"2 pipeline ranks x 1 stage\(s\) per rank = 2 stages, but --layers 1 gives fewer layers"),
-    ("moe-experts", "05-advanced/expert_parallel.py", ["--experts", "3"],
+    ("moe-experts", "05-advanced/b-pipeline-expert-context/expert_parallel.py", ["--experts", "3"],
      r"--experts 3 is not divisible by the world size 2"),
     ("bw-op", "04-nccl-operations/bandwidth_test.py", ["--ops", "all_sum"],
      r"--ops: unknown all_sum"),

@@ -9,25 +9,43 @@ What is proved, each against one process computing the dense model:
 - the bytes its collectives send equal 8*b*s*h*(t-1)/t per layer (plus the sequence-parallel
   extras), counted independently here;
 - hybrid_parallelism.py with dp=2 x tp=2 and with tp=2 x pp=2 at world 4 exports the weights of the
-  world-1 run with the same global batch (16 sequences). Both scripts define the same model, data
-  and optimizer, so one world-1 run is the reference for every layout: TP = DP x TP = TP x PP =
-  one process, which also proves the two scripts agree;
-- inconsistent degrees and heads that do not split over the TP ranks exit 2 with one line per
-  rank, before any collective.
+  world-1 run with the same global batch (16 sequences). Both scripts train the course's GPT
+  (dtcourse.models) on the same data with the same optimizer, so one world-1 run is the reference
+  for every layout: TP = DP x TP = TP x PP = one process, which also proves the two scripts agree;
+- the README's quoted outputs are those of a fresh run of the command above each (all but the
+  speed), and its 64-GPU command works as two simulated nodes of two ranks.
+Inconsistent degrees and heads that do not split over the TP ranks exit 2 with one line per rank,
+before any collective: tests/test_bad_inputs.py.
 """
 
 import importlib.util
 import re
-import time
 
 import pytest
 
-from conftest import (PYTHON, REPO, assert_state_dicts_close, finish,
-                      free_port, load_export, read_json, run_python, run_torchrun, start)
+from conftest import (REPO, assert_state_dicts_close, load_export, read_json, readme_mentions,
+                      run_python, run_readme_command, run_torchrun, run_torchrun_nodes)
 
-TP = "05-advanced/tensor_parallel.py"
-HYBRID = "05-advanced/hybrid_parallelism.py"
+TP = "05-advanced/a-tensor-sequence-hybrid/tensor_parallel.py"
+HYBRID = "05-advanced/a-tensor-sequence-hybrid/hybrid_parallelism.py"
 WORKER = "tests/workers_05a/tp_layers.py"
+README = REPO / "05-advanced" / "a-tensor-sequence-hybrid" / "README.md"
+
+# The README's runs, run verbatim by the tests below (and so not again by test_readmes.py).
+README_RUNS = [
+    "torchrun --nproc_per_node=2 05-advanced/a-tensor-sequence-hybrid/tensor_parallel.py",
+    "torchrun --nproc_per_node=2 05-advanced/a-tensor-sequence-hybrid/tensor_parallel.py "
+    "--impl dtensor --sequence-parallel",
+    "torchrun --nproc_per_node=4 05-advanced/a-tensor-sequence-hybrid/hybrid_parallelism.py "
+    "--tp 2 --pp 2",
+]
+DEGREE_ERROR = ("python 05-advanced/a-tensor-sequence-hybrid/hybrid_parallelism.py --dp 3 --tp 2"
+                "  # exits 2")
+# The README's cluster-sized command (```sh: it needs 8 nodes of 8 GPUs).
+SCALE_DOC = ("torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d "
+             "--rdzv_endpoint=$HEAD_NODE:29500 05-advanced/a-tensor-sequence-hybrid/"
+             "hybrid_parallelism.py --tp 8 --pp 2 --device cuda --dim 4096 --heads 32 "
+             "--layers 32 --seq-len 2048 --batch-size 8 --microbatches 8")
 
 # Few steps keep the launches cheap; start-up (importing torch in every rank) dominates anyway.
 # Step 2 is the one hybrid_parallelism.py counts, so 3 steps also exercise the counted path.
@@ -36,23 +54,24 @@ B, S, H, L = 16, 16, 64, 2  # global batch; the scripts' default sequence length
 
 # Exported weights after 3 AdamW steps (lr 3e-3), float32 on CPU. TP sums the partial matmuls of
 # its ranks in another order than one dense matmul, so gradients differ by float rounding (~1e-7
-# relative). Adam's step is lr * m / (sqrt(v) + eps): for the few elements whose gradient is as
-# small as eps (1e-8; one such element of fc2 measured -1.3e-8), that rounding changes the step
-# by a visible fraction of lr. Measured at these settings: worst difference 2.2e-5 (manual) and
-# 1.5e-5 (dtensor). A real error moves weights by O(lr): measured 1.7e-2 with f's backward
-# all-reduce removed, 1.5e-2 with the sequence-parallel bias gradients left unreduced. atol 1e-4
-# sits 4x above the first and 150x below the second.
+# relative). Adam's step is lr * m / (sqrt(v) + eps): for the few elements whose gradient is
+# nearly as small as eps (1e-8), that rounding changes the step by a visible fraction of lr.
+# Measured at these settings: worst difference 5.1e-6 (all four tensor_parallel.py variants and
+# hybrid dp2 x tp2, on one element of blocks.1.attn.k.weight; 4.9e-6 for tp2 x pp2). A real error
+# moves weights by O(lr): measured 1.8e-2 with f's backward all-reduce removed, 1.5e-2 with the
+# sequence-parallel bias gradients left unreduced. atol 1e-4 sits 20x above the first and 150x
+# below the second.
 WEIGHTS_RTOL, WEIGHTS_ATOL = 1e-4, 1e-4
 
 
 def plain_model(script: str):
-    """The script's model class, built without any parallel wrapper (DESIGN 2.8: the export
-    loads into it with strict=True). Importing the file runs no training: main() is guarded."""
+    """The script's model class, built without any parallel wrapper: the export must load into it
+    with strict=True. Importing the file runs no training: main() is guarded."""
     name = "lesson05a_" + script.split("/")[-1].removesuffix(".py")
     spec = importlib.util.spec_from_file_location(name, REPO / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.GPT(vocab=64, hidden=H, heads=4, layers=L, seq_len=S)
+    return module.GPT(vocab=64, seq_len=S, dim=H, heads=4, layers=L)
 
 
 def formula_bytes(t: int, sequence_parallel: bool, impl: str) -> dict:
@@ -132,9 +151,8 @@ def test_tp_bytes_equal_formula(tp_run, impl, sp):
     # Every collective went over the 2 TP ranks in fp32, and there are exactly 4 of (b, s, h)
     # per layer plus, with SP, one all-gather at each end of the stack.
     recs = metrics["collectives"]
-    assert all(r["t"] == 2 and r["elem_bytes"] == 4 for r in recs)
-    whole = [r for r in recs
-             if len(r["shape"]) == 3 and r["shape"][0] * r["shape"][1] * r["shape"][2] == B * S * H]
+    assert all(r["group_size"] == 2 and r["dtype"] == "float32" for r in recs)
+    whole = [r for r in recs if r["tensor_bytes"] == B * S * H * 4]
     assert len(whole) == (4 * L * 2 + 2 if sp else 4 * L), recs
     # ... and the printed line says so.
     assert re.search(rf"^per layer: {int(want['per_layer'])} B = formula 8\*b\*s\*h\*\(t-1\)/t "
@@ -171,16 +189,65 @@ def test_hybrid_matches_one_process(tmp_path, reference, degrees):
         assert sent["dp"] == r["comm_formula"]["dp"] and (sent["dp"] > 0) == (dp > 1), (rank, r)
 
 
-def run_ranks(script: str, *args, world: int, timeout: float = 120) -> list:
-    """Start `world` ranks with the environment torchrun gives them, but without the launcher:
-    its own failure report would add stderr lines and turn each rank's exit status 2 into 1."""
-    port, t0 = free_port(), time.monotonic()
-    cmd = [PYTHON, script, *args]
-    procs = [start(cmd, env={"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world,
-                             "LOCAL_WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1",
-                             "MASTER_PORT": port}) for r in range(world)]
-    return [finish(p, cmd, timeout=timeout, t0=t0, check=False) for p in procs]
+# README: the quoted outputs are those of a fresh run, and the multi-node command works
+
+
+def quoted_output(command: str) -> list[str]:
+    """The lines of the ```text block that follows `command`'s ```bash block in the README."""
+    m = re.search(r"^```bash\n" + re.escape(command) + r"\n```\n+```text\n(.*?)^```",
+                  README.read_text(), flags=re.S | re.M)
+    assert m, f"no quoted output after {command!r} in {README}"
+    return m.group(1).splitlines()
+
+
+LOSS = re.compile(r"^(step .* \| loss )(\d+\.\d+)$")
+
+
+def assert_same_output(fresh: list[str], quoted: list[str], command: str) -> None:
+    """Line by line equal, except the speed on the 'done:' line (the machine's), and losses, which
+    may differ by one in their last printed digit (another CPU's kernels sum in another order;
+    the weights-equality tests above bound the real difference)."""
+    assert len(fresh) == len(quoted), f"{command}\nfresh:\n" + "\n".join(fresh)
+    for f, q in zip(fresh, quoted):
+        if q.startswith("done:"):
+            assert f.split(",")[0] == q.split(",")[0], (command, f, q)
+        elif LOSS.match(q):
+            mf, mq = LOSS.match(f), LOSS.match(q)
+            assert mf and mf.group(1) == mq.group(1), (command, f, q)
+            assert abs(float(mf.group(2)) - float(mq.group(2))) <= 1.5e-4, (command, f, q)
+        else:
+            assert f == q, (command, f, q)
+
+
+@pytest.mark.parametrize("command", README_RUNS, ids=["manual", "dtensor-sp", "tp2-pp2"])
+def test_readme_outputs_are_those_of_a_fresh_run(command):
+    assert readme_mentions(README, command), f"not in {README}: {command}"
+    result = run_readme_command(command, timeout=240)
+    assert_same_output(result.stdout.splitlines(), quoted_output(command), command)
+
+
+def test_readme_degree_error_is_that_of_a_fresh_run():
+    assert readme_mentions(README, DEGREE_ERROR), f"not in {README}: {DEGREE_ERROR}"
+    result = run_readme_command(DEGREE_ERROR, timeout=60)  # asserts exit status 2
+    assert result.stderr_lines() == quoted_output(DEGREE_ERROR), result.describe()
+
+
+def test_documented_multi_node_command_on_two_simulated_nodes(tmp_path, reference):
+    """The README's 64-GPU command (8 nodes of 8 GPUs, c10d rendezvous, --dp inferred) as 2
+    simulated nodes of 2 CPU ranks: --tp 2 --pp 2 instead of 8 and 2, the default model and the
+    test's 3 steps and global batch; its 8 micro-batches kept. TP groups stay inside a node, and
+    the export equals one process."""
+    assert readme_mentions(README, SCALE_DOC), f"not in {README}: {SCALE_DOC}"
+    results = run_torchrun_nodes(HYBRID, "--tp", "2", "--pp", "2", "--device", "cpu", *STEPS,
+                                 "--batch-size", str(B), "--microbatches", "8",
+                                 "--export", tmp_path / "w.pt", nnodes=2, nproc_per_node=2,
+                                 rdzv="c10d", timeout=240)
+    stdout = "".join(r.stdout for r in results)
+    assert "mesh pp 2 x dp 1 x tp 2 = 4 ranks" in stdout, stdout
+    assert "tp groups [[0, 1], [2, 3]]: consecutive ranks, inside one node" in stdout, stdout
+    assert_state_dicts_close(load_export(tmp_path / "w.pt"), reference, rtol=WEIGHTS_RTOL,
+                             atol=WEIGHTS_ATOL, msg="2 nodes, tp2 x pp2:")
 
 
 # Degrees that do not multiply to the world size, heads not divisible by --tp:
-# tests/test_10_bad_inputs.py (every rank exits 2 with one line).
+# tests/test_bad_inputs.py (every rank exits 2 with one line).

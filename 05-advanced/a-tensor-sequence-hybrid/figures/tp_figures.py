@@ -1,6 +1,6 @@
-"""Measure and plot the two figures of the tensor/hybrid section of 05-advanced/README.md.
+"""Measure and plot the two figures of 05-advanced/a-tensor-sequence-hybrid/README.md.
 
-    python 05-advanced/figures/tp_figures.py            # about 15 minutes on a shared 2-core CPU
+    python 05-advanced/a-tensor-sequence-hybrid/figures/tp_figures.py   # ~15 min on a 2-core CPU
 
 1. tp_step_time.png: median time per training step of tensor_parallel.py at world 2, hand-written
    layers vs DTensor, with and without sequence parallelism, at two model sizes. Each variant runs
@@ -24,8 +24,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-SIZES = {"default": [], "wider": ["--hidden", "256", "--heads", "8", "--seq-len", "64"]}
+REPO = HERE.parents[2]
+LESSON = "05-advanced/a-tensor-sequence-hybrid"
+SIZES = {"default": [], "wider": ["--dim", "256", "--heads", "8", "--seq-len", "64"]}
 VARIANTS = {"manual": ["--impl", "manual"], "dtensor": ["--impl", "dtensor"],
             "manual + SP": ["--impl", "manual", "--sequence-parallel"],
             "dtensor + SP": ["--impl", "dtensor", "--sequence-parallel"]}
@@ -45,7 +46,7 @@ def step_times(repeats: int, steps: int, tmp: Path) -> dict:
     for rep in range(repeats):
         for size, size_args in SIZES.items():
             for name, flags in VARIANTS.items():
-                m = run("05-advanced/tensor_parallel.py", 2,
+                m = run(f"{LESSON}/tensor_parallel.py", 2,
                         ["--steps", str(steps), *flags, *size_args], tmp / "m.json")
                 out[size][name].append(m["median_step_ms"])
                 print(f"repeat {rep + 1}/{repeats} | {size:<7} | {name:<12} | "
@@ -56,9 +57,9 @@ def step_times(repeats: int, steps: int, tmp: Path) -> dict:
 def traffic(batches: list, tmp: Path) -> dict:
     out = {"global_batch": batches, "tp": [], "dp": [], "param_count": None}
     for g in batches:
-        tp = run("05-advanced/hybrid_parallelism.py", 2,
+        tp = run(f"{LESSON}/hybrid_parallelism.py", 2,
                  ["--steps", "3", "--tp", "2", "--batch-size", str(g)], tmp / "m.json")
-        dp = run("05-advanced/hybrid_parallelism.py", 2,
+        dp = run(f"{LESSON}/hybrid_parallelism.py", 2,
                  ["--steps", "3", "--dp", "2", "--batch-size", str(g // 2)], tmp / "m.json")
         out["tp"].append(sum(tp["per_rank"][0]["comm_bytes"].values()))
         out["dp"].append(sum(dp["per_rank"][0]["comm_bytes"].values()))
