@@ -5,29 +5,29 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 01-ddp-basics/ddp_mnist.py          # 2 ranks on this machine
     torchrun --nproc_per_node=2 01-ddp-basics/ddp_mnist.py --dataset mnist --data-dir ~/data
     torchrun --nproc_per_node=8 01-ddp-basics/ddp_mnist.py --device cuda   # 8 GPUs, NCCL
+    srun --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 python 01-ddp-basics/ddp_mnist.py
 
 By default the digits are synthetic (seven-segment digits with random shifts, stroke widths and
 noise, generated from --seed), so the lesson runs anywhere without a download. With
 `--dataset mnist --data-dir DIR`, DIR must already hold torchvision's MNIST files (DIR/MNIST/raw).
 
-Expected output (torchrun --nproc_per_node=2, 2-core AMD EPYC CPU, gloo; see the README):
-    world 2 | device cpu | 4096 training images, 1024 test | batch 32 per rank, 64 global
-    epoch 1/2 | loss 1.2467 | test accuracy 93.16%
-    epoch 2/2 | loss 0.1349 | test accuracy 99.71%
-
 The three DDP ingredients, each marked below with "DDP:":
     1. a process group (gloo on CPU, NCCL on GPUs) that every rank joins;
     2. a DistributedSampler, so each rank reads a different slice of every epoch;
     3. the model wrapped in DistributedDataParallel, which averages gradients during backward.
+
+This file writes the set-up of ingredient 1 out in full: which launcher started the process, who
+it is, where the ranks meet. Every later script of the course imports the same set-up from the
+shared module dtcourse.launch, which also knows the deepspeed launcher and mpirun.
 """
 
-import argparse
 import gc
 import os
-import sys
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,75 +36,219 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-try:
-    from tqdm import tqdm
-except ImportError:
-    tqdm = None
+from dtcourse import cli, report
+
+SCRIPT = "01-ddp-basics/ddp_mnist.py"
 
 
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
+# --------------------------------------------------------------------------------------------------
+# DDP (1): who am I, where do the ranks meet, and the process group
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", choices=["synthetic", "mnist"], default="synthetic")
-    p.add_argument("--data-dir", type=Path, help="folder holding torchvision's MNIST/raw files")
-    p.add_argument("--train-size", type=int, default=4096, help="synthetic training images")
-    p.add_argument("--test-size", type=int, default=1024, help="synthetic test images")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--timeout-s", type=float, default=120)
-    p.add_argument("--metrics-out", type=Path)
-    p.add_argument("--export", type=Path)
-    args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "train_size", "test_size"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.dataset == "mnist":
-        if args.data_dir is None:
-            fail("--dataset mnist needs --data-dir DIR (DIR/MNIST/raw from torchvision)")
-        if not (args.data_dir / "MNIST" / "raw").is_dir():
-            fail(f"no MNIST in {args.data_dir}: expected {args.data_dir / 'MNIST' / 'raw'} "
-                 "(download it once with torchvision.datasets.MNIST(DIR, download=True))")
-    return args
+class Launch(NamedTuple):
+    """This process's place in the job, as its launcher describes it."""
+    launcher: str            # torchrun, srun or python
+    rank: int                # 0 .. world_size-1 over the whole job
+    world_size: int          # number of processes
+    local_rank: int          # number on this machine: which GPU it takes
+    master_addr: str | None  # where rank 0 hosts the rendezvous (None: a group of one)
+    master_port: int | None
 
 
-def init_distributed(device_arg: str, timeout_s: float):
-    """Same set-up as ddp_training.py: python, torchrun and srun all end up here."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        env.setdefault("MASTER_ADDR", "127.0.0.1")  # one node; see ddp_training.py for many
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", 0))
+class Dist(NamedTuple):
+    """This process in the started group, and the device it computes on."""
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07', 'node5' -> 'node5'
+    (what `scontrol show hostnames` prints first)."""
+    # The first entry ends at the first comma outside brackets; each [ranges] becomes its first.
+    entry = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist).group(0)
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m.group(1))[0], entry)
+
+
+def who_am_i(env) -> Launch:
+    """Read the launcher's variables (`env` is os.environ).
+
+    torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for each process it
+    starts. srun starts the processes itself and describes them in its own words; nobody tells
+    them where to meet, so every task derives the same answer from what srun gives them all: the
+    first host of the step's node list, and a port computed from the job and step ids. With no
+    launcher at all, the process is rank 0 of 1.
+    """
+    if "RANK" in env:  # torchrun (also `srun torchrun`, one torchrun per node: torchrun numbers)
+        return Launch("torchrun", int(env["RANK"]), int(env["WORLD_SIZE"]),
+                      int(env.get("LOCAL_RANK", 0)), env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+    # An srun task. (A batch script's own process has SLURM_PROCID too, but it is not a task of a
+    # step, SLURM_STEP_NUM_TASKS is unset: it runs as one process.)
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_STEP_NODELIST")
+                                                    or env["SLURM_JOB_NODELIST"])
+        if env.get("MASTER_PORT"):
+            port = int(env["MASTER_PORT"])
+        else:  # 20000 + (10 x job + step) mod 10000: one port per step, below the ephemeral range
+            step = env.get("SLURM_STEP_ID", "0")
+            step = int(step) if step.isdigit() else 0  # the 'batch' step counts as 0
+            port = 20000 + (int(env["SLURM_JOB_ID"]) * 10 + step) % 10000
+        return Launch("srun", int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]),
+                      int(env["SLURM_LOCALID"]), addr, port)
+    return Launch("python", 0, 1, 0, None, None)
+
+
+def choose_device(device_arg: str, me: Launch) -> torch.device:
+    """--device auto|cpu|cuda: the GPU of this local rank when CUDA is asked for or available."""
     if device_arg == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for, but CUDA is not available on this machine")
-    if device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available()):
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    # DDP (1): every rank joins the group. gloo runs on CPU tensors, NCCL on GPU tensors.
+        cli.fail("--device cuda was asked for, but CUDA is not available on this machine")
+    if device_arg == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if me.local_rank < count:
+        return torch.device("cuda", me.local_rank)
+    if me.launcher == "srun" and count == 1:  # srun --gpus-per-task=1: each task sees its GPU only
+        return torch.device("cuda", 0)
+    cli.fail(f"local rank {me.local_rank} has no GPU: only {count} visible on this node "
+             f"(start at most {count} processes per node)")
+
+
+def init_distributed(device_arg: str, timeout_s: float) -> Dist:
+    me = who_am_i(os.environ)
+    device = choose_device(device_arg, me)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL works on the current device: set it first
+    # DDP (1): every rank joins the group. gloo runs on CPU tensors, NCCL on GPU tensors. The
+    # timeout bounds every collective: a rank that never arrives becomes an error, not a hang.
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if "RANK" in env:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    else:
+    if me.master_addr is None:  # one process: a group of one on an in-memory store
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
-    return rank, world, device
+    else:  # rank 0 hosts a TCP store at MASTER_ADDR:MASTER_PORT; the others connect to it
+        os.environ.update(MASTER_ADDR=me.master_addr, MASTER_PORT=str(me.master_port))
+        dist.init_process_group(backend, init_method="env://", rank=me.rank,
+                                world_size=me.world_size, timeout=timeout)
+    return Dist(me.rank, me.world_size, me.local_rank, device)
+
+
+def teardown() -> None:
+    # DDP's reducer holds the process group in reference cycles; freed only at interpreter exit,
+    # gloo's threads can then abort a run that has already finished. Collect them first.
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# DDP (2) and (3): each rank reads its own slice; the model is wrapped; the training loop
+
+
+class ConvNet(nn.Module):
+    """(B, 1, 28, 28) -> conv 16 -> pool -> conv 32 -> pool -> (B, 32*7*7) -> 64 -> 10 logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 7 * 7, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)   # (B, 16, 14, 14)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)   # (B, 32, 7, 7)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def make_loaders(args, d: Dist, train_set, test_set):
+    # DDP (2): each rank reads its own slice. The sampler shuffles the indices with (seed, epoch),
+    # then rank r takes positions r, r+W, r+2W, ... So the W batches of step t together are exactly
+    # the global batch a single process with batch W*B would read at step t.
+    train_sampler = DistributedSampler(train_set, num_replicas=d.world_size, rank=d.rank,
+                                       shuffle=True, seed=args.seed, drop_last=True)
+    test_sampler = DistributedSampler(test_set, num_replicas=d.world_size, rank=d.rank,
+                                      shuffle=False)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler,
+                              drop_last=True, pin_memory=d.device.type == "cuda")
+    test_loader = DataLoader(test_set, batch_size=256, sampler=test_sampler)
+    return train_sampler, train_loader, test_loader
+
+
+def train_epoch(model, optimizer, loader, device, desc: str) -> torch.Tensor:
+    """One pass over this rank's slice of the training set; this rank's loss of every step."""
+    bar = report.progress(len(loader), desc)
+    step_losses = []
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()          # gradients all-reduced (averaged) here, bucket by bucket
+        optimizer.step()         # same averaged gradients -> same weights on every rank
+        step_losses.append(loss.detach())
+        bar.update()
+    bar.close()
+    return torch.stack(step_losses)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device) -> float:
+    """Accuracy over the whole test set: each rank counts its slice, then one all-reduce."""
+    model.eval()
+    counts = torch.zeros(2, device=device)  # [correct, seen]
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        counts[0] += (model(x).argmax(1) == y).sum()
+        counts[1] += y.numel()
+    dist.all_reduce(counts)  # sum over ranks
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+def train(args, d: Dist):
+    train_set, test_set = load_data(args)
+    if len(train_set) < d.world_size * args.batch_size:
+        cli.fail(f"{len(train_set)} training images cannot give {d.world_size} ranks a batch of "
+                 f"{args.batch_size} each")
+    train_sampler, train_loader, test_loader = make_loaders(args, d, train_set, test_set)
+    torch.manual_seed(args.seed)  # identical initial weights on every rank (DDP also broadcasts)
+    # DDP (3): wrap the model. Backward now ends with gradients averaged over all ranks.
+    model = DDP(ConvNet().to(d.device),
+                device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    report.print0(f"world {d.world_size} | device {d.device} | {len(train_set)} training images, "
+                  f"{len(test_set)} test | batch {args.batch_size} per rank, "
+                  f"{args.batch_size * d.world_size} global")
+    accuracy_before = evaluate(model, test_loader, d.device)
+    report.print0(f"before training: test accuracy {100 * accuracy_before:.2f}%")
+    losses, accuracies, t0 = [], [], time.perf_counter()
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch repeats the same order
+        epoch_losses = train_epoch(model, optimizer, train_loader, d.device, f"epoch {epoch + 1}")
+        # One all-reduce per epoch turns each rank's batch losses into global-batch means.
+        dist.all_reduce(epoch_losses)
+        losses += (epoch_losses / d.world_size).tolist()
+        accuracies.append(evaluate(model, test_loader, d.device))
+        report.print0(f"epoch {epoch + 1}/{args.epochs} | loss "
+                      f"{epoch_losses.mean() / d.world_size:.4f} | test accuracy "
+                      f"{100 * accuracies[-1]:.2f}%")
+    samples = len(losses) * args.batch_size * d.world_size
+    finish(args, d, model, optimizer, losses, accuracy_before, accuracies,
+           samples / (time.perf_counter() - t0))
+
+
+def finish(args, d: Dist, model, optimizer, losses, accuracy_before, accuracies, samples_per_s):
+    """Rank 0 writes --metrics-out and --export; every rank waits until they are complete."""
+    # Every rank holds a full replica: 16 bytes per parameter with Adam (4 + 4 grads + 8 moments).
+    per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,
+                                               device=d.device))
+    metrics = report.metrics(d, script=SCRIPT, strategy="ddp", steps=len(losses),
+                             global_batch=args.batch_size * d.world_size, losses=losses,
+                             samples_per_s=samples_per_s, per_rank=per_rank,
+                             dataset=args.dataset, epochs=args.epochs,
+                             test_accuracy_before=accuracy_before, test_accuracy=accuracies)
+    report.finish(args, metrics, model.module.state_dict())  # the plain model, without DDP
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,127 +303,38 @@ def load_data(args):
 
 
 # --------------------------------------------------------------------------------------------------
-# Model
+# Arguments and launch
 
 
-class ConvNet(nn.Module):
-    """(B, 1, 28, 28) -> conv 16 -> pool -> conv 32 -> pool -> (B, 32*7*7) -> 64 -> 10 logits."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 7 * 7, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)   # (B, 16, 14, 14)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)   # (B, 32, 7, 7)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-@torch.no_grad()
-def evaluate(model, loader, device) -> float:
-    """Accuracy over the whole test set: each rank counts its slice, then one all-reduce."""
-    model.eval()
-    counts = torch.zeros(2, device=device)  # [correct, seen]
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        counts[0] += (model(x).argmax(1) == y).sum()
-        counts[1] += y.numel()
-    dist.all_reduce(counts)  # sum over ranks
-    model.train()
-    return (counts[0] / counts[1]).item()
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p)
+    cli.add_output_args(p)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+    p.add_argument("--dataset", choices=["synthetic", "mnist"], default="synthetic")
+    p.add_argument("--data-dir", type=Path, help="folder holding torchvision's MNIST/raw files")
+    p.add_argument("--train-size", type=int, default=4096, help="synthetic training images")
+    p.add_argument("--test-size", type=int, default=1024, help="synthetic test images")
+    args = p.parse_args(argv)
+    cli.check_positive(args, "epochs", "batch_size", "train_size", "test_size", "lr", "timeout_s")
+    if args.dataset == "mnist":
+        if args.data_dir is None:
+            cli.fail("--dataset mnist needs --data-dir DIR (DIR/MNIST/raw from torchvision)")
+        if not (args.data_dir / "MNIST" / "raw").is_dir():
+            cli.fail(f"no MNIST in {args.data_dir}: expected {args.data_dir / 'MNIST' / 'raw'} "
+                     "(download it once with torchvision.datasets.MNIST(DIR, download=True))")
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    rank, world, device = init_distributed(args.device, args.timeout_s)
+    d = init_distributed(args.device, args.timeout_s)
     try:
-        run(args, rank, world, device)
+        train(args, d)
     finally:
-        gc.collect()  # free reference cycles holding the group while Python is alive
-        dist.destroy_process_group()
-
-
-def run(args, rank, world, device):
-    train_set, test_set = load_data(args)
-    if len(train_set) < world * args.batch_size:
-        fail(f"{len(train_set)} training images cannot give {world} ranks a batch of "
-             f"{args.batch_size} each")
-    torch.manual_seed(args.seed)  # identical initial weights on every rank (DDP also broadcasts)
-
-    # DDP (2): each rank reads its own slice. The sampler shuffles the indices with (seed, epoch),
-    # then rank r takes positions r, r+W, r+2W, ... So the W batches of step t together are exactly
-    # the global batch a single process with batch W*B would read at step t.
-    train_sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
-                                       seed=args.seed, drop_last=True)
-    test_sampler = DistributedSampler(test_set, num_replicas=world, rank=rank, shuffle=False)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler,
-                              drop_last=True, pin_memory=device.type == "cuda")
-    test_loader = DataLoader(test_set, batch_size=256, sampler=test_sampler)
-
-    # DDP (3): wrap the model. Backward now ends with gradients averaged over all ranks.
-    model = DDP(ConvNet().to(device), device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-
-    if rank == 0:
-        print(f"world {world} | device {device} | {len(train_set)} training images, "
-              f"{len(test_set)} test | batch {args.batch_size} per rank, "
-              f"{args.batch_size * world} global", flush=True)
-    accuracy_before = evaluate(model, test_loader, device)
-    if rank == 0:
-        print(f"before training: test accuracy {100 * accuracy_before:.2f}%", flush=True)
-    losses, accuracies, t0 = [], [], time.perf_counter()
-    for epoch in range(args.epochs):
-        train_sampler.set_epoch(epoch)  # without it every epoch repeats the same order
-        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", leave=False,
-                   disable=(rank != 0) or None) if tqdm else train_loader
-        step_losses = []
-        for x, y in bar:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()          # gradients all-reduced (averaged) here, bucket by bucket
-            optimizer.step()         # same averaged gradients -> same weights on every rank
-            step_losses.append(loss.detach())
-        # One all-reduce per epoch turns each rank's batch losses into global-batch means.
-        epoch_losses = torch.stack(step_losses)
-        dist.all_reduce(epoch_losses)
-        losses += (epoch_losses / world).tolist()
-        accuracies.append(evaluate(model, test_loader, device))
-        if rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs} | loss {epoch_losses.mean() / world:.4f} | "
-                  f"test accuracy {100 * accuracies[-1]:.2f}%", flush=True)
-    elapsed = time.perf_counter() - t0
-
-    params = list(model.parameters())
-    held = {"param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params),
-            "optim_bytes": sum(v.numel() * v.element_size() for st in optimizer.state.values()
-                               for v in st.values() if torch.is_tensor(v)),
-            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else None}
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, held)  # every rank holds a full replica: 16 bytes/param
-
-    if rank == 0 and args.export:
-        args.export.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.export.with_suffix(".tmp")
-        torch.save({k: v.cpu() for k, v in model.module.state_dict().items()}, tmp)
-        os.replace(tmp, args.export)
-    if rank == 0 and args.metrics_out:
-        import json
-        args.metrics_out.parent.mkdir(parents=True, exist_ok=True)
-        args.metrics_out.write_text(json.dumps({
-            "script": "01-ddp-basics/ddp_mnist.py", "strategy": "ddp", "world_size": world,
-            "dataset": args.dataset, "epochs": args.epochs, "steps": len(losses),
-            "global_batch": args.batch_size * world, "losses": losses,
-            "test_accuracy_before": accuracy_before, "test_accuracy": accuracies,
-            "samples_per_s": args.epochs * len(train_loader) * args.batch_size * world / elapsed,
-            "device": str(device), "torch_version": torch.__version__, "per_rank": per_rank,
-        }, indent=1))
-    dist.barrier()
+        teardown()
 
 
 if __name__ == "__main__":

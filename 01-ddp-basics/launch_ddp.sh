@@ -49,7 +49,9 @@ spawn)
     # No launcher: the script starts its ranks with torch.multiprocessing.spawn (one node only).
     exec python "$SCRIPT" --spawn "$NPROC_PER_NODE" "$@" ;;
 srun)
-    # SLURM starts one task per rank; the script reads SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID.
+    # SLURM starts one task per rank; the script reads SLURM_PROCID / SLURM_STEP_NUM_TASKS /
+    # SLURM_LOCALID, and every task meets at the first host of the step's node list
+    # (dtcourse/launch.py).
     exec srun --nodes="$NNODES" --ntasks-per-node="$NPROC_PER_NODE" python "$SCRIPT" "$@" ;;
 *)
     echo "launch_ddp.sh: unknown mode '$MODE' (single, static, c10d, spawn, srun)" >&2

@@ -7,14 +7,6 @@ Launch (from the repository root):
     torchrun --nproc_per_node=8 04-nccl-operations/bandwidth_test.py --device cuda --link nvlink4
     srun -N 2 --ntasks-per-node=8 python 04-nccl-operations/bandwidth_test.py --link ib-ndr
 
-Expected output (the first command, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
-    bandwidth_test | world 2 | device cpu | backend gloo | warmup 1, iters 5 (median)
-    op              dtype          bytes    time_us  algbw_GBps  busbw_GBps  wrong
-    all_reduce      float32         4096     3918.6       0.001       0.001      0
-    all_reduce      float32      1048576     5192.5       0.202       0.202      0
-    all_gather      float32         4096      397.2       0.010       0.005      0
-    ...
-
 Definitions (nccl-tests doc/PERFORMANCE.md): algbw = S / t, with S the bytes of the op's largest
 buffer (the full tensor; for all_gather the gathered output, for reduce_scatter the input, for
 all_to_all one rank's whole send buffer). busbw = algbw x factor, the factor being the share of S
@@ -27,20 +19,16 @@ rank's; the row shows the median over --iters. nccl-tests instead averages back-
 which hides launch latency: expect our small-message times to be higher than theirs.
 """
 
-import argparse
-import gc
-import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from dtcourse import cli, launch, report
 
 # torch 2.12 renamed the single-tensor collectives; torch >= 2.6 has the older names.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -86,95 +74,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64}
 DEFAULT_SIZES = ",".join(f"{4 ** k * 4}K" for k in range(9))  # 4K, 16K, ..., 256M: x4 steps
 CHECK_BLOCK = 1 << 22  # elements per slice of the correctness check (bounds its memory)
-
-
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def parse_size(text: str) -> int:
-    """'4096', '64K', '1M', '2G' -> bytes (binary suffixes: 1K = 1024)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, flags=re.IGNORECASE)
-    if not m or int(m.group(1)) == 0:
-        fail(f"cannot read the size {text!r}: use a positive byte count with an optional K/M/G "
-             "suffix, e.g. --sizes 4096,1M,64M")
-    return int(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
-
-
-def parse_list(text: str, allowed, flag: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in items if s not in allowed]
-    if unknown or not items:
-        fail(f"{flag}: unknown {', '.join(unknown) or '(empty)'}; choose from "
-             f"{', '.join(allowed)}")
-    return items
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail
-    p.add_argument("--sizes", default=DEFAULT_SIZES,
-                   help="comma-separated message sizes in bytes, K/M/G suffixes allowed")
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of: "
-                   + ", ".join(OPS))
-    p.add_argument("--dtypes", default="float32", help="comma-separated subset of: "
-                   + ", ".join(DTYPES))
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per row")
-    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per row")
-    p.add_argument("--link", help="print busbw as %% of this link's realistic peak: "
-                   + ", ".join(LINKS))
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--timeout-s", type=float, default=300, help="collective timeout")
-    p.add_argument("--json-out", type=Path, help="rank 0 writes the rows here (a JSON list)")
-    p.add_argument("--plot", type=Path, help="rank 0 writes a PNG of busbw vs size per op")
-    args = p.parse_args(argv)
-    args.size_list = [parse_size(s) for s in args.sizes.split(",")]
-    args.op_list = parse_list(args.ops, OPS, "--ops")
-    args.dtype_list = parse_list(args.dtypes, list(DTYPES), "--dtypes")
-    if args.link is not None and args.link not in LINKS:
-        fail(f"--link {args.link!r} is not in the table; choose from {', '.join(LINKS)}")
-    if args.iters < 1 or args.warmup < 0 or args.timeout_s <= 0:
-        fail(f"--iters must be >= 1, --warmup >= 0, --timeout-s > 0; got {args.iters}, "
-             f"{args.warmup}, {args.timeout_s}")
-    return args
-
-
-def init_distributed(device_arg: str, timeout_s: float):
-    """(rank, world, device); gloo on CPU, NCCL on CUDA; a one-process group under plain python."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        if "MASTER_ADDR" not in env:  # the first host of the step's allocation
-            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
-                                 text=True, check=False).stdout.split()
-            env["MASTER_ADDR"] = out[0] if out else nodes
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", 0))
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for, but CUDA is not available on this machine")
-    if device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available()):
-        if local_rank >= torch.cuda.device_count():
-            fail(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if "RANK" in env:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    return rank, world, device
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,49 +196,36 @@ def measure(op, nbytes, dtype_name, args, rank, n, device) -> dict:
             "backend": dist.get_backend(), "device": device.type}
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rank, world, device = init_distributed(args.device, args.timeout_s)
-    try:
-        rows = run(args, rank, world, device)
-    finally:
-        gc.collect()  # free reference cycles holding the group while Python is alive
-        dist.destroy_process_group()
-    if any(row["wrong"] for row in rows):
-        sys.exit(1)
-
-
-def run(args, rank, world, device) -> list[dict]:
+def run(args, d) -> list[dict]:
+    """Every (dtype, op, size) of the arguments: rank 0 prints each row as it is measured, then
+    writes --json-out and --plot."""
     ops = list(args.op_list)
-    if world == 1 and "sendrecv" in ops and device.type == "cpu":
+    if d.world_size == 1 and "sendrecv" in ops and d.device.type == "cpu":
         ops.remove("sendrecv")  # gloo cannot send to itself (NCCL can: a copy on the GPU)
-        if rank == 0:
-            print("note: sendrecv skipped: gloo cannot send to its own rank at world size 1")
-    if rank == 0:
-        print(f"bandwidth_test | world {world} | device {device} | backend {dist.get_backend()} "
-              f"| warmup {args.warmup}, iters {args.iters} (median)", flush=True)
-        link = f"  % of {args.link} ({realistic(args.link):g} GB/s)" if args.link else ""
-        print(f"{'op':<15} {'dtype':<9} {'bytes':>10} {'time_us':>10} {'algbw_GBps':>11} "
-              f"{'busbw_GBps':>11} {'wrong':>6}{link}", flush=True)
+        report.print0("note: sendrecv skipped: gloo cannot send to its own rank at world size 1")
+    report.print0(f"bandwidth_test | world {d.world_size} | device {d.device} | backend "
+                  f"{d.backend} | warmup {args.warmup}, iters {args.iters} (median)")
+    link = f"  % of {args.link} ({realistic(args.link):g} GB/s)" if args.link else ""
+    report.print0(f"{'op':<15} {'dtype':<9} {'bytes':>10} {'time_us':>10} {'algbw_GBps':>11} "
+                  f"{'busbw_GBps':>11} {'wrong':>6}{link}")
     rows = []
     for dtype_name in args.dtype_list:
         for op in ops:
             for nbytes in args.size_list:
-                row = measure(op, nbytes, dtype_name, args, rank, world, device)
+                row = measure(op, nbytes, dtype_name, args, d.rank, d.world_size, d.device)
                 rows.append(row)
-                if rank == 0:
-                    pct = (f"  {100 * row['busbw_GBps'] / realistic(args.link):6.1f}%"
-                           if args.link else "")
-                    print(f"{op:<15} {dtype_name:<9} {row['bytes']:>10} {row['time_us']:>10.1f} "
-                          f"{row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f} "
-                          f"{row['wrong']:>6}{pct}", flush=True)
-    if rank == 0:
+                pct = (f"  {100 * row['busbw_GBps'] / realistic(args.link):6.1f}%"
+                       if args.link else "")
+                report.print0(f"{op:<15} {dtype_name:<9} {row['bytes']:>10} "
+                              f"{row['time_us']:>10.1f} {row['algbw_GBps']:>11.3f} "
+                              f"{row['busbw_GBps']:>11.3f} {row['wrong']:>6}{pct}")
+    if d.rank == 0:
         if any(row["wrong"] for row in rows):
             print("FAIL: some results are wrong (column 'wrong')", file=sys.stderr, flush=True)
         if args.json_out:
-            write_atomic(args.json_out, json.dumps(rows, indent=1).encode())
+            report.write_json(args.json_out, rows)
         if args.plot:
-            plot(rows, args.plot, world, device)
+            plot(rows, args.plot, d.world_size, d.device)
     dist.barrier()  # files are complete before any rank exits
     return rows
 
@@ -348,16 +234,13 @@ def realistic(link: str) -> float:
     return LINKS[link][0] * REALISTIC_FRACTION
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+
+# --------------------------------------------------------------------------------------------------
+# The plot, arguments and launch
 
 
 def plot(rows, path: Path, world: int, device) -> None:
-    import io
-
+    """busbw against message size, one line per op (and dtype): a PNG at `path`."""
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
@@ -374,10 +257,62 @@ def plot(rows, path: Path, world: int, device) -> None:
     ax.set_title(f"busbw vs size, {world} ranks, {device.type}, {rows[0]['backend']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
-    write_atomic(path, buf.getvalue())
+
+
+def parse_size(text: str) -> int:
+    """'4096', '64K', '1M', '2G' -> bytes (binary suffixes: 1K = 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, flags=re.IGNORECASE)
+    if not m or int(m.group(1)) == 0:
+        cli.fail(f"cannot read the size {text!r}: use a positive byte count with an optional K/M/G "
+             "suffix, e.g. --sizes 4096,1M,64M")
+    return int(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
+
+
+def parse_list(text: str, allowed, flag: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in items if s not in allowed]
+    if unknown or not items:
+        cli.fail(f"{flag}: unknown {', '.join(unknown) or '(empty)'}; choose from "
+             f"{', '.join(allowed)}")
+    return items
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p, seed=False, timeout_s=300)
+    cli.add_output_args(p, metrics=False, export=False, json_out=True)
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help="comma-separated message sizes in bytes, K/M/G suffixes allowed")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of: "
+                   + ", ".join(OPS))
+    p.add_argument("--dtypes", default="float32", help="comma-separated subset of: "
+                   + ", ".join(DTYPES))
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per row")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per row")
+    p.add_argument("--link", help="print busbw as %% of this link's realistic peak: "
+                   + ", ".join(LINKS))
+    p.add_argument("--plot", type=Path, help="rank 0 writes a PNG of busbw vs size per op")
+    args = p.parse_args(argv)
+    args.size_list = [parse_size(s) for s in args.sizes.split(",")]
+    args.op_list = parse_list(args.ops, OPS, "--ops")
+    args.dtype_list = parse_list(args.dtypes, list(DTYPES), "--dtypes")
+    if args.link is not None and args.link not in LINKS:
+        cli.fail(f"--link {args.link!r} is not in the table; choose from {', '.join(LINKS)}")
+    cli.check_positive(args, "iters", "timeout_s")
+    if args.warmup < 0:
+        cli.fail(f"--warmup must be at least 0, got {args.warmup}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with launch.distributed(args.device, args.timeout_s) as d:
+        rows = run(args, d)
+    if any(row["wrong"] for row in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

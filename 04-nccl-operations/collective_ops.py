@@ -6,97 +6,27 @@ Launch (from the repository root):
     torchrun --nproc_per_node=8 04-nccl-operations/collective_ops.py --device cuda
     torchrun --nproc_per_node=2 04-nccl-operations/collective_ops.py --mismatch-demo --timeout-s 5
 
-Expected output (torchrun --nproc_per_node=4, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
-    collective_ops | world 4 | device cpu | backend gloo
-    op                      input on rank r             expected on rank r     rank 0 got       test
-    broadcast(src=n-1)      [r, r]                      [n-1, n-1]             [3, 3]           PASS
-    reduce(SUM, dst=0)      [r+1]                       r=0: [n(n+1)/2]        [10]             PASS
-    ...
-    all_to_all              x[j] = 10r + j, j < n       y[k] = 10k + r         [0, 10, 20, 30]  PASS
-    ...
-    all 12 collectives match their closed form on every rank
-
-Each row runs one collective on every rank r of n with a rank-dependent input, and every rank
-compares its own result with the closed form; PASS means all n ranks matched. The values are
-small integers stored as float32, so the comparison is exact. The script exits 1 if any row fails.
+Each row of the table runs one collective on every rank r of n with a rank-dependent input, and
+every rank compares its own result with the closed form; PASS means all n ranks matched. The
+values are small integers stored as float32, so the comparison is exact. The script exits 1 if
+any row fails.
 
 --mismatch-demo reproduces the most common hang (nccl_debugging.md walks through it): rank 0
 enters an all_reduce the other ranks never call, and everybody waits until --timeout-s.
 """
 
-import argparse
-import gc
-import json
-import os
 import re
-import subprocess
 import sys
 import time
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from dtcourse import cli, launch, report
+
 # torch 2.12 renamed the single-tensor collectives; torch >= 2.6 has the older names.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
-    p.add_argument("--json-out", type=Path, help="rank 0 writes every rank's results here")
-    p.add_argument("--mismatch-demo", action="store_true",
-                   help="hang on purpose: rank 0 calls an all_reduce the others skip")
-    args = p.parse_args(argv)
-    if args.timeout_s <= 0:
-        fail(f"--timeout-s must be positive, got {args.timeout_s}")
-    return args
-
-
-def init_distributed(device_arg: str, timeout_s: float):
-    """(rank, world, device); gloo on CPU, NCCL on CUDA; a one-process group under plain python."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        if "MASTER_ADDR" not in env:  # the first host of the step's allocation
-            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
-                                 text=True, check=False).stdout.split()
-            env["MASTER_ADDR"] = out[0] if out else nodes
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", 0))
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for, but CUDA is not available on this machine")
-    if device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available()):
-        if local_rank >= torch.cuda.device_count():
-            fail(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if "RANK" in env:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    return rank, world, device
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,8 +159,7 @@ def run_all(rank, world, device) -> list[dict]:
         ok = want is None or torch.equal(got, want)
         local.append({"got": got.tolist(), "want": None if want is None else want.tolist(),
                       "ok": ok})
-    everyone = [None] * world
-    dist.all_gather_object(everyone, local)  # rank k's list of rows -> every rank
+    everyone = report.gather(local)  # rank k's list of rows, on every rank
     rows = []
     for i, (label, _, inp, exp) in enumerate(COLLECTIVES):
         rows.append({"op": label, "input": inp, "expected": exp, "world_size": world,
@@ -238,10 +167,6 @@ def run_all(rank, world, device) -> list[dict]:
                      "expected_values": [everyone[k][i]["want"] for k in range(world)],
                      "pass": all(everyone[k][i]["ok"] for k in range(world))})
     return rows
-
-
-def fmt(values) -> str:
-    return "[" + ", ".join(f"{v:g}" for v in values) + "]"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -276,33 +201,26 @@ def mismatch_demo(rank, world, device, timeout_s) -> None:
             say(f"[rank {rank}] error: collective mismatch detected: {detail}")
         else:  # a plain timeout: the backend's own words, without its source-file prefix
             reason = re.sub(r"^\[[^\]]*\]\s*", "", msg.strip().splitlines()[0])
+            if "Connection closed by peer" in reason:  # the peer timed out first and exited
+                reason = "the peer gave up first and closed the connection"
             say(f"[rank {rank}] error: hang: {calling} did not complete within {timeout_s:g} s "
                 f"({reason}); see 04-nccl-operations/nccl_debugging.md")
         sys.exit(1)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rank, world, device = init_distributed(args.device, args.timeout_s)
-    try:
-        if args.mismatch_demo:
-            if world < 2:
-                fail("--mismatch-demo needs at least 2 ranks: torchrun --nproc_per_node=2 ...")
-            mismatch_demo(rank, world, device, args.timeout_s)
-            return
-        rows = run_all(rank, world, device)
-        report(args, rank, world, device, rows)
-    finally:
-        gc.collect()  # free reference cycles holding the group while Python is alive
-        dist.destroy_process_group()
-    if not all(row["pass"] for row in rows):
-        sys.exit(1)
+# --------------------------------------------------------------------------------------------------
+# Report, arguments and launch
 
 
-def report(args, rank, world, device, rows) -> None:
-    if rank != 0:
+def fmt(values) -> str:
+    return "[" + ", ".join(f"{v:g}" for v in values) + "]"
+
+
+def print_table(args, d, rows) -> None:
+    """Rank 0 prints the table and writes --json-out."""
+    if d.rank != 0:
         return
-    print(f"collective_ops | world {world} | device {device} | backend {dist.get_backend()}")
+    print(f"collective_ops | world {d.world_size} | device {d.device} | backend {d.backend}")
     table = [("op", "input on rank r", "expected on rank r", "rank 0 got", "test")] + [
         (row["op"], row["input"], row["expected"], fmt(row["results"][0]),
          "PASS" if row["pass"] else "FAIL") for row in rows]
@@ -313,10 +231,32 @@ def report(args, rank, world, device, rows) -> None:
     print(f"FAIL: {', '.join(failed)}" if failed else
           f"all {len(rows)} collectives match their closed form on every rank", flush=True)
     if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json_out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rows, indent=1))
-        os.replace(tmp, args.json_out)
+        report.write_json(args.json_out, rows)
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p, seed=False)
+    cli.add_output_args(p, metrics=False, export=False, json_out=True)
+    p.add_argument("--mismatch-demo", action="store_true",
+                   help="hang on purpose: rank 0 calls an all_reduce the others skip")
+    args = p.parse_args(argv)
+    cli.check_positive(args, "timeout_s")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with launch.distributed(args.device, args.timeout_s) as d:
+        if args.mismatch_demo:
+            if d.world_size < 2:
+                cli.fail("--mismatch-demo needs at least 2 ranks: torchrun --nproc_per_node=2 ...")
+            mismatch_demo(d.rank, d.world_size, d.device, args.timeout_s)
+            return
+        rows = run_all(d.rank, d.world_size, d.device)
+        print_table(args, d, rows)
+    if not all(row["pass"] for row in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

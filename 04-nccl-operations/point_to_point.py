@@ -7,17 +7,6 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 04-nccl-operations/point_to_point.py --deadlock --timeout-s 3
                                                           # the patterns, then the bug: exits 1
 
-Expected output (the --deadlock command above, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
-    point_to_point | world 2 | device cpu | backend gloo | 1048576 floats per message
-    pattern                              what every rank checks                   check
-    send/recv ping-pong (0 <-> 1)        rank 0 gets back 10 x what it sent       PASS
-    isend/irecv ring shift               got rank-1's message                     PASS
-    blocking ring, even sends first      got rank-1's message                     PASS
-    batch_isend_irecv ring all-gather    holds all n blocks, row k = k            PASS
-    --deadlock: every rank now calls send() before recv(); waiting up to 3 s ...
-    [rank 0] error: deadlock: send to rank 1 did not complete within 3 s (Timed out waiting 3000ms
-    for send operation to complete). Every rank is in a blocking send and nobody receives; ...
-
 Unlike a collective, a point-to-point call involves two ranks: the sender names the receiver
 (dst) and the receiver names the sender (src), and the two calls must match in size and dtype.
 A blocking send returns once its data is handed over; on gloo that is when the receiver has
@@ -28,75 +17,12 @@ posted the matching recv, on NCCL small messages may be buffered but large ones 
     fix 2:       isend + irecv posted together, then wait (batch_isend_irecv: one group launch)
 """
 
-import argparse
-import gc
-import json
-import os
-import subprocess
 import sys
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail
-    p.add_argument("--numel", type=int, default=1 << 20,
-                   help="float32 elements per message in the exchanges (4 MiB by default)")
-    p.add_argument("--deadlock", action="store_true",
-                   help="after the patterns, every rank sends first with blocking calls: hangs "
-                        "until --timeout-s, then exits 1")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
-    p.add_argument("--json-out", type=Path, help="rank 0 writes the checks here")
-    args = p.parse_args(argv)
-    if args.numel < 1 or args.timeout_s <= 0:
-        fail(f"--numel must be >= 1 and --timeout-s > 0, got {args.numel} and {args.timeout_s}")
-    return args
-
-
-def init_distributed(device_arg: str, timeout_s: float):
-    """(rank, world, device); gloo on CPU, NCCL on CUDA; a one-process group under plain python."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        if "MASTER_ADDR" not in env:  # the first host of the step's allocation
-            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
-                                 text=True, check=False).stdout.split()
-            env["MASTER_ADDR"] = out[0] if out else nodes
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", 0))
-    if world < 2:  # checked before the process group exists: nobody is left waiting
-        fail("point-to-point needs at least 2 ranks: torchrun --nproc_per_node=2 "
-             "04-nccl-operations/point_to_point.py")
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for, but CUDA is not available on this machine")
-    if device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available()):
-        if local_rank >= torch.cuda.device_count():
-            fail(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
-    return rank, world, device
+from dtcourse import cli, launch, report
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,6 +120,10 @@ def run_patterns(rank, world, numel, device) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------------
+# The deadlock
+
+
 def deadlock(rank, world, numel, device, timeout_s) -> None:
     """The bug: every rank calls a blocking send first. Each send waits for a receiver, every
     receiver is itself stuck in send, and the process group's timeout ends it."""
@@ -216,29 +146,52 @@ def deadlock(rank, world, numel, device, timeout_s) -> None:
         sys.exit(1)
 
 
+# --------------------------------------------------------------------------------------------------
+# Report, arguments and launch
+
+
+def print_table(args, d, rows) -> None:
+    """Rank 0 prints the checks and writes --json-out."""
+    if d.rank != 0:
+        return
+    print(f"point_to_point | world {d.world_size} | device {d.device} | backend {d.backend} | "
+          f"{args.numel} floats per message")
+    print(f"{'pattern':<36} {'what every rank checks':<40} check")
+    for row in rows:
+        print(f"{row['pattern']:<36} {row['check']:<40} {'PASS' if row['pass'] else 'FAIL'}",
+              flush=True)
+    if args.json_out:
+        report.write_json(args.json_out, rows)
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p, seed=False)
+    cli.add_output_args(p, metrics=False, export=False, json_out=True)
+    p.add_argument("--numel", type=int, default=1 << 20,
+                   help="float32 elements per message in the exchanges (4 MiB by default)")
+    p.add_argument("--deadlock", action="store_true",
+                   help="after the patterns, every rank sends first with blocking calls: hangs "
+                        "until --timeout-s, then exits 1")
+    args = p.parse_args(argv)
+    if args.numel < 1:
+        cli.fail(f"--numel must be >= 1, got {args.numel}")
+    cli.check_positive(args, "timeout_s")
+    return args
+
+
 def main(argv=None):
     args = parse_args(argv)
-    rank, world, device = init_distributed(args.device, args.timeout_s)
-    try:
-        rows = run_patterns(rank, world, args.numel, device)
-        if rank == 0:
-            print(f"point_to_point | world {world} | device {device} | backend "
-                  f"{dist.get_backend()} | {args.numel} floats per message")
-            print(f"{'pattern':<36} {'what every rank checks':<40} check")
-            for row in rows:
-                print(f"{row['pattern']:<36} {row['check']:<40} "
-                      f"{'PASS' if row['pass'] else 'FAIL'}", flush=True)
-            if args.json_out:
-                args.json_out.parent.mkdir(parents=True, exist_ok=True)
-                args.json_out.write_text(json.dumps(rows, indent=1))
+    with launch.distributed(args.device, args.timeout_s) as d:
+        if d.world_size < 2:  # every rank sees the same world: all fail, none waits
+            cli.fail("point-to-point needs at least 2 ranks: torchrun --nproc_per_node=2 "
+                     "04-nccl-operations/point_to_point.py")
+        rows = run_patterns(d.rank, d.world_size, args.numel, d.device)
+        print_table(args, d, rows)
         if args.deadlock:
-            if rank == 0:
-                print(f"--deadlock: every rank now calls send() before recv(); waiting up to "
-                      f"{args.timeout_s:g} s ...", flush=True)
-            deadlock(rank, world, args.numel, device, args.timeout_s)
-    finally:
-        gc.collect()  # free reference cycles holding the group while Python is alive
-        dist.destroy_process_group()
+            report.print0(f"--deadlock: every rank now calls send() before recv(); waiting up to "
+                          f"{args.timeout_s:g} s ...")
+            deadlock(d.rank, d.world_size, args.numel, d.device, args.timeout_s)
     if not all(row["pass"] for row in rows):
         sys.exit(1)
 

@@ -5,21 +5,6 @@ Launch (from the repository root):
     torchrun --nproc_per_node=4 04-nccl-operations/ring_allreduce.py --sizes 64M --iters 10
     torchrun --nproc_per_node=8 04-nccl-operations/ring_allreduce.py --device cuda --sizes 256M
 
-Expected output (the first command, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
-    ring_allreduce | world 2 | device cpu | backend gloo | float32 | ring segments of 4M
-    max |error| / rounding bound, worst rank (<= 1 passes):
-    check   numel   op          library             ring ring_unpipelined            naive
-    PASS        1  sum            0.000            0.000            0.000            0.000
-    ...
-    PASS    65536  avg            0.500            0.500            0.500            0.500
-
-    time (ms), median of 5; busbw of the ring in GB/s
-      size          library             ring ring_unpipelined            naive  ring/library  ...
-        4K            5.327            1.026            0.730            0.349          0.19  ...
-    ...
-(Small-message times on a shared CPU swing by several x between runs; see the README for the
-64 MiB comparison, repeated.)
-
 The ring is the bandwidth-optimal all-reduce (Patarasuk & Yuan, 2009) that gloo runs, and NCCL too
 for large messages. The n ranks form a ring: rank r sends to r+1 and receives from r-1. The tensor
 is cut into n chunks c0..c(n-1), of unequal size when n does not divide numel:
@@ -41,26 +26,20 @@ bottleneck and the time grows linearly with n.
 
 Pipelining. A reduce-scatter step receives a chunk and then adds it; done whole, the link idles
 during the add and the add waits for the link. Cutting the chunk into segments (--segment, 4 MiB)
-lets segment k+1 travel while segment k is added, as gloo does with 1 MiB segments. At 64 MiB on
-2 CPU ranks this was the difference between 1.29-1.52x and 0.83-1.07x the time of dist.all_reduce
-(README: "How close is the hand ring to gloo?").
+lets segment k+1 travel while segment k is added, as gloo does with 1 MiB segments; the README
+measures what this buys ("How close is the hand ring to gloo?").
 """
 
-import argparse
-import gc
-import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import time
-from datetime import timedelta
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from dtcourse import cli, launch, report
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -247,81 +226,7 @@ ALGORITHMS = {"library": library_all_reduce, "ring": ring_all_reduce,
 
 
 # --------------------------------------------------------------------------------------------------
-# Script: check the three against each other, then time them
-
-
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def parse_size(text: str) -> int:
-    """'4096', '64K', '1M', '2G' -> bytes (binary suffixes: 1K = 1024)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, flags=re.IGNORECASE)
-    if not m:
-        fail(f"cannot read the size {text!r}: use a byte count with an optional K/M/G suffix")
-    return int(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail
-    p.add_argument("--sizes", default="4K,256K,4M",
-                   help="comma-separated message sizes in bytes (K/M/G suffixes) to time")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--segment", default="4M",
-                   help="pipeline segment of the ring's reduce-scatter (bytes, K/M suffixes); "
-                        "0: no pipelining")
-    p.add_argument("--iters", type=int, default=5, help="timed repetitions per size")
-    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
-    p.add_argument("--json-out", type=Path, help="rank 0 writes the check and timing rows here")
-    args = p.parse_args(argv)
-    args.size_list = [parse_size(s) for s in args.sizes.split(",")]
-    args.segment = parse_size(args.segment)
-    if args.iters < 1 or args.warmup < 0 or args.timeout_s <= 0:
-        fail(f"--iters must be >= 1, --warmup >= 0, --timeout-s > 0; got {args.iters}, "
-             f"{args.warmup}, {args.timeout_s}")
-    return args
-
-
-def init_distributed(device_arg: str, timeout_s: float):
-    """(rank, world, device); gloo on CPU, NCCL on CUDA; a one-process group under plain python."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        if "MASTER_ADDR" not in env:  # the first host of the step's allocation
-            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
-                                 text=True, check=False).stdout.split()
-            env["MASTER_ADDR"] = out[0] if out else nodes
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", 0))
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for, but CUDA is not available on this machine")
-    if device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available()):
-        if local_rank >= torch.cuda.device_count():
-            fail(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if "RANK" in env:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    return rank, world, device
+# Check the four against an exact sum, then time them
 
 
 def rank_input(numel: int, rank: int, seed: int, dtype, device) -> torch.Tensor:
@@ -366,6 +271,31 @@ def check_case(fn, numel: int, op: str, dtype, world: int, rank: int, seed: int,
     return err.max().item(), in_place
 
 
+def check_all(args, d, algos: dict) -> list[dict]:
+    """Every algorithm on numel 1 (chunks mostly empty), world-1 (one short), a prime (unequal
+    chunks) and a power of two, for sum and avg: one row per case, printed by rank 0."""
+    dtype = DTYPES[args.dtype]
+    rows = []
+    report.print0("max |error| / rounding bound, worst rank (<= 1 passes):")
+    report.print0(f"{'check':<6} {'numel':>6} {'op':>4} " + " ".join(f"{a:>16}" for a in algos))
+    for numel in sorted({1, max(d.world_size - 1, 1), 1009, 2 ** 16}):
+        for op in ("sum", "avg"):
+            res = [check_case(fn, numel, op, dtype, d.world_size, d.rank, args.seed, d.device)
+                   for fn in algos.values()]
+            worst = torch.tensor([[e, -float(ok)] for e, ok in res], dtype=torch.float64,
+                                 device=d.device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # worst error; any rank not in place
+            err = worst[:, 0].tolist()
+            in_place = bool((worst[:, 1] == -1).all())
+            passed = all(e <= 1 for e in err) and in_place
+            rows.append({"kind": "check", "numel": numel, "op": op, "dtype": args.dtype,
+                         "world_size": d.world_size, "error_over_bound": dict(zip(algos, err)),
+                         "in_place": in_place, "pass": passed})
+            report.print0(f"{'PASS' if passed else 'FAIL':<6} {numel:>6} {op:>4} "
+                          + " ".join(f"{e:>16.3f}" for e in err))
+    return rows
+
+
 def time_algorithms(algos: dict, numel: int, dtype, args, device) -> dict[str, float]:
     """Median over iterations of the slowest rank's time, per algorithm, in microseconds.
 
@@ -393,79 +323,49 @@ def time_algorithms(algos: dict, numel: int, dtype, args, device) -> dict[str, f
     return {name: statistics.median(row) * 1e6 for name, row in zip(algos, t.tolist())}
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rank, world, device = init_distributed(args.device, args.timeout_s)
-    try:
-        ok = run(args, rank, world, device)
-    finally:
-        gc.collect()  # free reference cycles holding the group while Python is alive
-        dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
-
-
-def run(args, rank, world, device) -> bool:
+def time_all(args, d, algos: dict) -> list[dict]:
+    """Each size of --sizes: the median time of every algorithm and the ring's busbw."""
     dtype = DTYPES[args.dtype]
-    backend = dist.get_backend()
-    # The ring with --segment; the other three as defined above.
-    algos = dict(ALGORITHMS, ring=partial(ring_all_reduce, segment_bytes=args.segment))
-    if rank == 0:
-        segments = human(args.segment) if args.segment else "a chunk"
-        print(f"ring_allreduce | world {world} | device {device} | backend {backend} | "
-              f"{args.dtype} | ring segments of {segments}", flush=True)
-
-    # 1. Correctness: numel 1 (chunks mostly empty), world-1 (one short), a prime (unequal chunks)
-    #    and a power of two, for sum and avg.
-    rows, all_ok = [], True
-    if rank == 0:
-        print("max |error| / rounding bound, worst rank (<= 1 passes):")
-        print(f"{'check':<6} {'numel':>6} {'op':>4} " + " ".join(f"{a:>16}" for a in algos))
-    for numel in sorted({1, max(world - 1, 1), 1009, 2 ** 16}):
-        for op in ("sum", "avg"):
-            res = [check_case(fn, numel, op, dtype, world, rank, args.seed, device)
-                   for fn in algos.values()]
-            worst = torch.tensor([[e, -float(ok)] for e, ok in res], dtype=torch.float64,
-                                 device=device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # worst error; any rank not in place
-            err = worst[:, 0].tolist()
-            in_place = bool((worst[:, 1] == -1).all())
-            passed = all(e <= 1 for e in err) and in_place
-            all_ok &= passed
-            rows.append({"kind": "check", "numel": numel, "op": op, "dtype": args.dtype,
-                         "world_size": world, "error_over_bound": dict(zip(algos, err)),
-                         "in_place": in_place, "pass": passed})
-            if rank == 0:
-                print(f"{'PASS' if passed else 'FAIL':<6} {numel:>6} {op:>4} "
-                      + " ".join(f"{e:>16.3f}" for e in err))
-
-    # 2. Timing: median of the slowest rank, per algorithm, interleaved.
     esize = torch.tensor([], dtype=dtype).element_size()
-    factor = 2 * (world - 1) / world  # nccl-tests' all-reduce bus-bandwidth factor
-    if rank == 0:
-        print(f"\ntime (ms), median of {args.iters}; busbw of the ring in GB/s")
-        print(f"{'size':>6} " + " ".join(f"{a:>16}" for a in algos)
-              + f" {'ring/library':>13} {'naive/ring':>11} {'ring_busbw':>11}")
+    factor = 2 * (d.world_size - 1) / d.world_size  # nccl-tests' all-reduce bus-bandwidth factor
+    report.print0(f"\ntime (ms), median of {args.iters}; busbw of the ring in GB/s")
+    report.print0(f"{'size':>6} " + " ".join(f"{a:>16}" for a in algos)
+                  + f" {'ring/library':>13} {'naive/ring':>11} {'ring_busbw':>11}")
+    rows = []
     for nbytes in args.size_list:
         numel = max(nbytes // esize, 1)
-        t = time_algorithms(algos, numel, dtype, args, device)
+        t = time_algorithms(algos, numel, dtype, args, d.device)
         busbw = {k: numel * esize / (v * 1e-6) * factor / 1e9 for k, v in t.items()}
         rows += [{"kind": "time", "algo": k, "bytes": numel * esize, "dtype": args.dtype,
-                  "world_size": world, "time_us": v, "busbw_GBps": busbw[k],
-                  "backend": backend, "device": device.type} for k, v in t.items()]
-        if rank == 0:
-            print(f"{human(numel * esize):>6} " + " ".join(f"{v / 1e3:>16.3f}" for v in t.values())
-                  + f" {t['ring'] / t['library']:>13.2f} {t['naive'] / t['ring']:>11.2f}"
-                  f" {busbw['ring']:>11.3f}", flush=True)
+                  "world_size": d.world_size, "time_us": v, "busbw_GBps": busbw[k],
+                  "backend": d.backend, "device": d.device.type} for k, v in t.items()]
+        report.print0(f"{human(numel * esize):>6} "
+                      + " ".join(f"{v / 1e3:>16.3f}" for v in t.values())
+                      + f" {t['ring'] / t['library']:>13.2f} {t['naive'] / t['ring']:>11.2f}"
+                      f" {busbw['ring']:>11.3f}")
+    return rows
 
-    if rank == 0 and args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json_out.with_name(args.json_out.name + ".tmp")
-        tmp.write_text(json.dumps(rows, indent=1))
-        os.replace(tmp, args.json_out)
-    dist.barrier()
-    if rank == 0 and not all_ok:
+
+def run(args, d) -> bool:
+    """Check, then time; rank 0 writes --json-out. True when every check passed."""
+    # The ring with --segment; the other three as defined above.
+    algos = dict(ALGORITHMS, ring=partial(ring_all_reduce, segment_bytes=args.segment))
+    segments = human(args.segment) if args.segment else "a chunk"
+    report.print0(f"ring_allreduce | world {d.world_size} | device {d.device} | backend "
+                  f"{d.backend} | {args.dtype} | ring segments of {segments}")
+    checks = check_all(args, d, algos)
+    rows = checks + time_all(args, d, algos)
+    if d.rank == 0 and args.json_out:
+        report.write_json(args.json_out, rows)
+    dist.barrier()  # the file is complete before any rank exits
+    ok = all(row["pass"] for row in checks)
+    if d.rank == 0 and not ok:
         print("FAIL: an all-reduce disagrees with the reference sum", file=sys.stderr)
-    return all_ok
+    return ok
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments and launch
 
 
 def human(nbytes: int) -> str:
@@ -473,6 +373,42 @@ def human(nbytes: int) -> str:
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale}{unit}"
     return f"{nbytes}B"
+
+
+def parse_size(text: str) -> int:
+    """'4096', '64K', '1M', '2G' -> bytes (binary suffixes: 1K = 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        cli.fail(f"cannot read the size {text!r}: use a byte count with an optional K/M/G suffix")
+    return int(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " ")
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p)
+    cli.add_output_args(p, metrics=False, export=False, json_out=True)
+    p.add_argument("--sizes", default="4K,256K,4M",
+                   help="comma-separated message sizes in bytes (K/M/G suffixes) to time")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--segment", default="4M",
+                   help="pipeline segment of the ring's reduce-scatter (bytes, K/M suffixes); "
+                        "0: no pipelining")
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions per size")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size")
+    args = p.parse_args(argv)
+    args.size_list = [parse_size(s) for s in args.sizes.split(",")]
+    args.segment = parse_size(args.segment)
+    cli.check_positive(args, "iters", "timeout_s")
+    if args.warmup < 0:
+        cli.fail(f"--warmup must be at least 0, got {args.warmup}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with launch.distributed(args.device, args.timeout_s) as d:
+        ok = run(args, d)
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -160,7 +160,8 @@ def test_bandwidth_rows_follow_nccl_tests(world):
     n, result, rows, png = world
     keys = {"op", "bytes", "dtype", "world_size", "time_us", "algbw_GBps", "busbw_GBps", "wrong",
             "backend", "device"}
-    assert all(set(r) == keys for r in rows), "the --json-out schema is fixed (issue 9 reads it)"
+    # The --json-out schema is fixed: benchmarks/distributed_benchmarks.py reads it.
+    assert all(set(r) == keys for r in rows), "the --json-out keys changed"
     ops = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
            "sendrecv"]
     assert sorted({r["op"] for r in rows}) == sorted(ops) and len(rows) == 2 * len(ops)
@@ -216,7 +217,7 @@ def test_bad_input_is_one_line_and_exit_2(world):
                 "--numel": r"--numel must be >= 1", "--timeout-s": r"--timeout-s must be positive"}
     assert len(result["bad_inputs"]) == len(expected)
     for case in result["bad_inputs"]:
-        # DESIGN 2.10: exit status 2 and exactly one line on stderr, naming the problem.
+        # Bad input: exit status 2 and exactly one line on stderr, naming the problem.
         lines = case["stderr"].splitlines()
         assert case["exit"] == 2 and len(lines) == 1, case
         assert re.match(r"\[rank \d\] error: " + expected[case["argv"][0]], lines[0]), case

@@ -5,7 +5,7 @@
 One launch runs every lesson-04 check at that world size (starting torch costs 2-4 CPU seconds per
 process, so one launch instead of four keeps the suite inside its budget). It imports the lesson
 scripts by path - test code may; lesson scripts never import each other - starts one gloo process
-group and calls, with it:
+group with the scripts' own set-up (dtcourse.launch) and calls, with it:
 
 - collective_ops.run_all: every collective against its closed form, every rank's result;
 - ring_allreduce's ring_all_reduce / naive_all_reduce against dist.all_reduce and a numpy float64
@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from dtcourse import launch
 
 LESSON = Path(__file__).resolve().parents[2] / "04-nccl-operations"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -173,9 +175,8 @@ def wrong_detector(bw, rank: int, world: int) -> dict:
 
 def main():
     out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
+    d = launch.setup("cpu", timeout_s=120)  # the lesson scripts' own set-up: gloo on CPU
+    rank, world, device = d.rank, d.world_size, d.device
     try:
         modules = {n: load(n) for n in ("collective_ops", "point_to_point", "ring_allreduce",
                                         "bandwidth_test")}
@@ -191,12 +192,12 @@ def main():
         args = bw.parse_args(["--sizes", "4K,1000003", "--iters", "1", "--warmup", "0",
                               "--json-out", str(out_dir / "bandwidth.json"),
                               "--plot", str(out_dir / "bandwidth.png")])
-        bw.run(args, rank, world, device)
+        bw.run(args, d)
         if rank == 0:
             (out_dir / "result.json").write_text(json.dumps(result, indent=1))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        launch.teardown()
 
 
 if __name__ == "__main__":
