@@ -3,17 +3,10 @@ its block of queries and the key/value blocks travel around the ring, so no rank
 whole sequence's keys, values or score matrix.
 
 Launch (from the repository root):
-    python 05-advanced/ring_attention.py                                   # 1 rank: plain attention
-    torchrun --nproc_per_node=4 05-advanced/ring_attention.py              # T = 512 over 4 ranks
-    torchrun --nproc_per_node=4 05-advanced/ring_attention.py --ring-sizes 2,3,4 --seq-lens 37,50
-
-Output of `torchrun --nproc_per_node=2 05-advanced/ring_attention.py` (2-core AMD EPYC CPU,
-shared; torch 2.14.1, gloo; timings vary with the machine's load):
-    ring attention | batch 1 x 4 heads x head_dim 32 | float32 | device cpu
-    W=2 T=  512 full   | max |ring - full| (out, dq, dk, dv) 1.1e-06 | overlap == no overlap:
-        True | fwd+bwd median of 3: overlap 40.6 ms, no overlap 36.2 ms, ratio 0.89; transfers
-        alone 9.3 ms
-    W=2 T=  512 causal | max |ring - full| (out, dq, dk, dv) 1.7e-06 | ...
+    python 05-advanced/b-pipeline-expert-context/ring_attention.py        # 1 rank: plain attention
+    torchrun --nproc_per_node=4 05-advanced/b-pipeline-expert-context/ring_attention.py  # T = 512
+    torchrun --nproc_per_node=4 05-advanced/b-pipeline-expert-context/ring_attention.py \\
+        --ring-sizes 2,3,4 --seq-lens 37,50               # rings of 2, 3 and 4, uneven blocks
 
 Rank r holds positions [r T / W, (r + 1) T / W) of q, k, v: (batch, heads, T_r, head_dim).
 Forward, W steps; at step s rank r holds the key/value block of rank (r - s) mod W:
@@ -31,104 +24,16 @@ is home. Scores are recomputed from q, k and the saved lse, as FlashAttention do
 stays O(T / W) per rank.
 """
 
-import argparse
-import gc
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dtcourse import cli, launch, report
 
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail  # argparse's own errors too: one line, exit 2
-    p.add_argument("--seq-lens", default="512",
-                   help="comma-separated sequence lengths; each is split over the ranks")
-    p.add_argument("--mask", choices=["causal", "none", "both"], default="both")
-    p.add_argument("--ring-sizes", default="",
-                   help="comma-separated ring sizes W, each run on ranks 0..W-1 in turn "
-                        "(default: one ring of all ranks)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed forward+backward runs per case, each with and without overlap")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
-    p.add_argument("--json-out", type=Path, help="rank 0 writes the results as JSON here")
-    p.add_argument("--check-out", type=Path,
-                   help="rank 0 saves inputs, outputs and gradients of every case (tests)")
-    args = p.parse_args(argv)
-    try:
-        args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
-        args.ring_sizes = [int(w) for w in args.ring_sizes.split(",")] if args.ring_sizes else []
-    except ValueError:
-        fail(f"--seq-lens and --ring-sizes expect integers like 512 or 37,50, got "
-             f"{args.seq_lens!r} and {args.ring_sizes!r}")
-    for name in ("batch", "heads", "head_dim", "repeats"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.timeout_s <= 0:
-        fail(f"--timeout-s must be positive, got {args.timeout_s}")
-    return args
-
-
-# --------------------------------------------------------------------------------------------------
-# Set-up: the same lines run under python, torchrun and srun (see 01-ddp-basics/ddp_training.py)
-
-
-def init_distributed(device_arg: str):
-    """Return (rank, world_size, device); the process group starts after the inputs are checked."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        if "MASTER_ADDR" not in env:
-            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
-                                 text=True, check=False).stdout.split()
-            env["MASTER_ADDR"] = out[0] if out else nodes
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", 0))
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for, but CUDA is not available on this machine")
-    if device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available()):
-        if local_rank >= torch.cuda.device_count():
-            fail(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return rank, world, device
-
-
-def start_process_group(device, timeout_s: float):
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:  # plain `python script.py`: a group of one, no port needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+SCRIPT = "05-advanced/b-pipeline-expert-context/ring_attention.py"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,7 +158,7 @@ class RingAttention(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------------------
-# Main: every case is checked against full attention and timed with and without overlap
+# Every case: checked against full attention, timed with and without overlap
 
 
 def make_inputs(seed, T, batch, heads, head_dim, device):
@@ -286,69 +191,36 @@ def ring_traffic_only(k, T, ring):
                 block = ring.wait(ring.start(block, [shape, shape]))  # (k, v)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rank, world, device = init_distributed(args.device)
-    args.ring_sizes = args.ring_sizes or [world]
-    if not all(1 <= w <= world for w in args.ring_sizes):
-        fail(f"--ring-sizes {args.ring_sizes} must lie between 1 and the world size {world}")
-    if min(args.seq_lens) < max(args.ring_sizes):
-        fail(f"--seq-lens {min(args.seq_lens)} is shorter than the ring of "
-             f"{max(args.ring_sizes)} ranks: every rank needs at least one position")
-    start_process_group(device, args.timeout_s)
-    try:
-        run(args, rank, world, device)
-    finally:
-        gc.collect()  # free reference cycles holding the group while Python is alive
-        dist.destroy_process_group()
-
-
-def gather_to_rank0(obj, rank, world):
-    got = [None] * world if rank == 0 else None
-    dist.gather_object(obj, got, dst=0)
-    return got
-
-
-def run(args, rank, world, device):
-    masks = {"causal": [True], "none": [False], "both": [False, True]}[args.mask]
-    results, checks = [], {}
-    if rank == 0:
-        print(f"ring attention | batch {args.batch} x {args.heads} heads x head_dim "
-              f"{args.head_dim} | float32 | device {device}", flush=True)
-    for W in args.ring_sizes:
-        # The ring is ranks 0 .. W-1; with W < world the other ranks sit this one out (they
-        # still join the barriers and gathers below, which run over every rank).
-        ring = Ring(rank, W) if rank < W else None
-        for T in args.seq_lens:
-            for causal in masks:
-                row, check = run_case(args, ring, rank, world, T, causal, device)
-                if rank == 0:
-                    results.append(row)
-                    checks[f"W{W}/T{T}/{'causal' if causal else 'full'}"] = check
-    if rank == 0:
-        if args.check_out:
-            args.check_out.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(checks, args.check_out)
-        if args.json_out:
-            args.json_out.parent.mkdir(parents=True, exist_ok=True)
-            args.json_out.write_text(json.dumps({
-                "script": "05-advanced/ring_attention.py", "world_size": world,
-                "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim,
-                "repeats": args.repeats, "device": str(device),
-                "torch_version": torch.__version__, "results": results}, indent=1))
-    dist.barrier()
-
-
-def run_case(args, ring, rank, world, T, causal, device):
-    """One (ring size, length, mask): check against full attention, time with and without
-    overlap and the transfers alone. Returns rank 0's summary row and check tensors."""
+def check_case(args, ring, rank, T, causal, device):
+    """Ring attention with and without overlap on ranks 0..W-1, gathered, and on rank 0 compared
+    with the full attention of one process. Returns this rank's inputs to the ring and, on rank
+    0, (max |ring - full|, whether overlap gave bitwise the results of no overlap)."""
     q, k, v, dout = make_inputs(args.seed, T, args.batch, args.heads, args.head_dim, device)
     got = plain = []
+    mine = None
     if ring is not None:
         lo, hi = bounds(T, ring.world, rank)
         mine = [t[:, :, lo:hi] for t in (q, k, v, dout)]   # this rank's block of the sequence
         got = run_ring(*mine, T, causal, True, ring)
         plain = run_ring(*mine, T, causal, False, ring)    # the same arithmetic, no overlap
+    parts = [p for p in report.gather([t.cpu() for t in got + plain]) if p]
+    if rank != 0:
+        return mine, None
+    ring_out = [torch.cat([p[i] for p in parts], dim=2) for i in range(8)]
+    # Reference on one process: the full (B, H, T, T) attention, which the ring never builds
+    # (fine for checking at these sizes).
+    ref = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    full = F.scaled_dot_product_attention(*ref, is_causal=causal)
+    full.backward(dout.cpu())
+    expect = [full.detach()] + [t.grad for t in ref]
+    err = max((a - b).abs().max().item() for a, b in zip(ring_out[:4], expect))
+    same = all(torch.equal(a, b) for a, b in zip(ring_out[:4], ring_out[4:]))
+    return mine, (err, same)
+
+
+def time_case(args, ring, mine, T, causal, device):
+    """Median seconds of forward + backward with overlap, without, and of the transfers alone
+    (the slowest rank of each run)."""
     times = {True: [], False: [], "traffic": []}
     for _ in range(args.repeats):                          # alternate, so drift hits all three
         for overlap in (True, False, "traffic"):
@@ -363,39 +235,95 @@ def run_case(args, ring, rank, world, T, causal, device):
             took = torch.tensor([time.perf_counter() - t0], device=device)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)    # the slowest rank sets the pace
             times[overlap].append(took.item())
-    parts = gather_to_rank0([t.cpu() for t in got + plain], rank, world)
+    return (statistics.median(times[True]), statistics.median(times[False]),
+            statistics.median(times["traffic"]))
+
+
+def run_case(args, ring, rank, W, T, causal, device):
+    """One (ring size, length, mask): checked, timed, printed; returns rank 0's row of the JSON
+    (None on the other ranks)."""
+    mine, checked = check_case(args, ring, rank, T, causal, device)
+    t_on, t_off, t_comm = time_case(args, ring, mine, T, causal, device)
     if rank != 0:
-        return None, None
-    W = len([p for p in parts if p])
-    ring_out = [torch.cat([p[i] for p in parts if p], dim=2) for i in range(8)]
-    # Reference on one process: the full (B, H, T, T) attention, which the ring never builds
-    # (fine for checking at these sizes).
-    ref = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
-    full = F.scaled_dot_product_attention(*ref, is_causal=causal)
-    full.backward(dout.cpu())
-    expect = [full.detach()] + [t.grad for t in ref]
-    err = max((a - b).abs().max().item() for a, b in zip(ring_out[:4], expect))
-    same = all(torch.equal(a, b) for a, b in zip(ring_out[:4], ring_out[4:]))
-    t_on, t_off = statistics.median(times[True]), statistics.median(times[False])
-    t_comm = statistics.median(times["traffic"])
+        return None
+    err, same = checked
     # bytes of the block of rank j; rank 0 forwards blocks 0, W-1, ..., 2 (W - 1 hops) of k and
     # v; backward: those again, plus (dk, dv) of every block once
     block = [(bounds(T, W, j)[1] - bounds(T, W, j)[0]) * args.batch * args.heads
              * args.head_dim * 4 for j in range(W)]
     hops = sum(block[(-s) % W] for s in range(W - 1))
-    row = {"ring_size": W, "seq_len": T, "causal": causal, "max_abs_err_vs_full": err,
-           "overlap_equals_no_overlap": same, "overlap_s": t_on, "no_overlap_s": t_off,
-           "ratio_no_overlap_over_overlap": t_off / t_on, "transfers_only_s": t_comm,
-           "rank0_bytes_sent_fwd": 2 * hops,
-           "rank0_bytes_sent_bwd": 2 * hops + (2 * sum(block) if W > 1 else 0)}
     print(f"W={W} T={T:5d} {'causal' if causal else 'full  '} | max |ring - full| (out, dq, dk, "
           f"dv) {err:.1e} | overlap == no overlap: {same} | fwd+bwd median of {args.repeats}: "
           f"overlap {t_on * 1e3:.1f} ms, no overlap {t_off * 1e3:.1f} ms, ratio "
           f"{t_off / t_on:.2f}; transfers alone {t_comm * 1e3:.1f} ms", flush=True)
-    check = {"q": q.cpu(), "k": k.cpu(), "v": v.cpu(), "dout": dout.cpu(), "causal": causal,
-             "out": ring_out[0], "dq": ring_out[1], "dk": ring_out[2], "dv": ring_out[3],
-             "plain": ring_out[4:]}
-    return row, check
+    return {"ring_size": W, "seq_len": T, "causal": causal, "max_abs_err_vs_full": err,
+            "overlap_equals_no_overlap": same, "overlap_s": t_on, "no_overlap_s": t_off,
+            "ratio_no_overlap_over_overlap": t_off / t_on, "transfers_only_s": t_comm,
+            "rank0_bytes_sent_fwd": 2 * hops,
+            "rank0_bytes_sent_bwd": 2 * hops + (2 * sum(block) if W > 1 else 0)}
+
+
+def run(args, d):
+    masks = {"causal": [True], "none": [False], "both": [False, True]}[args.mask]
+    report.print0(f"ring attention | batch {args.batch} x {args.heads} heads x head_dim "
+                  f"{args.head_dim} | float32 | device {d.device}")
+    results = []
+    for W in args.ring_sizes:
+        # The ring is ranks 0 .. W-1; with W < world the other ranks sit this one out (they
+        # still join the barriers and gathers, which run over every rank).
+        ring = Ring(d.rank, W) if d.rank < W else None
+        for T in args.seq_lens:
+            for causal in masks:
+                results.append(run_case(args, ring, d.rank, W, T, causal, d.device))
+    if d.rank == 0 and args.json_out:
+        report.write_json(args.json_out, {
+            "script": SCRIPT, "world_size": d.world_size, "batch": args.batch,
+            "heads": args.heads, "head_dim": args.head_dim, "repeats": args.repeats,
+            "device": str(d.device), "torch_version": torch.__version__, "results": results})
+    dist.barrier()  # the file is complete before any rank exits
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments and launch
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p)
+    cli.add_output_args(p, metrics=False, export=False, json_out=True)
+    p.add_argument("--seq-lens", default="512",
+                   help="comma-separated sequence lengths; each is split over the ranks")
+    p.add_argument("--mask", choices=["causal", "none", "both"], default="both")
+    p.add_argument("--ring-sizes", default="",
+                   help="comma-separated ring sizes W, each run on ranks 0..W-1 in turn "
+                        "(default: one ring of all ranks)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed forward+backward runs per case, each with and without overlap")
+    args = p.parse_args(argv)
+    try:
+        args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
+        args.ring_sizes = [int(w) for w in args.ring_sizes.split(",")] if args.ring_sizes else []
+    except ValueError:
+        cli.fail(f"--seq-lens and --ring-sizes expect integers like 512 or 37,50, got "
+                 f"{args.seq_lens!r} and {args.ring_sizes!r}")
+    cli.check_positive(args, "batch", "heads", "head_dim", "repeats", "timeout_s")
+    world = launch.launched().world_size  # before any process group: every rank fails alike
+    args.ring_sizes = args.ring_sizes or [world]
+    if not all(1 <= w <= world for w in args.ring_sizes):
+        cli.fail(f"--ring-sizes {args.ring_sizes} must lie between 1 and the world size {world}")
+    if min(args.seq_lens) < max(args.ring_sizes):
+        cli.fail(f"--seq-lens {min(args.seq_lens)} is shorter than the ring of "
+                 f"{max(args.ring_sizes)} ranks: every rank needs at least one position")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with launch.distributed(args.device, args.timeout_s) as d:
+        run(args, d)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 computes, the pipeline bubble and activation memory follow their formulas, and bad settings stop
 with one line.
 
-Costs are kept down by sharing launches: one pipeline launch of 4 ranks runs every
-implementation, schedule and micro-batch count at p = 2 and p = 4 (the README's --sweep command
-with a short list); one MoE launch per world size serves the equivalence and training checks; one
-ring launch of 4 ranks runs rings of 2, 3 and 4 with both masks and two uneven lengths.
+Costs are kept down by sharing launches: one sweep launch of 4 ranks measures every
+implementation, schedule and micro-batch count at p = 2 and p = 4 (the README's sweep command with
+a short list), and one worker launch of 4 ranks computes the same configurations' gradients; one
+MoE launch and one first-step worker launch per world size serve the equivalence and training
+checks; one ring launch and one worker launch of 4 ranks run rings of 2, 3 and 4 with both masks
+and two uneven lengths. The workers (tests/workers_05b/) import the lesson scripts and save the
+tensors a test needs, which the scripts themselves do not write.
 """
 
 import importlib.util
@@ -26,11 +29,16 @@ from conftest import (
     run_torchrun,
     torchrun_cmd,
 )
+from dtcourse.data import classification_batch
 
-PP = "05-advanced/pipeline_parallel.py"
-MOE = "05-advanced/expert_parallel.py"
-RING = "05-advanced/ring_attention.py"
-SECTION = REPO / "05-advanced" / "README.md"
+LESSON = "05-advanced/b-pipeline-expert-context"
+PP = f"{LESSON}/pipeline_parallel.py"
+SWEEP = f"{LESSON}/pipeline_sweep.py"
+FIGURES = f"{LESSON}/figures/pp_figures.py"
+MOE = f"{LESSON}/expert_parallel.py"
+RING = f"{LESSON}/ring_attention.py"
+WORKERS = "tests/workers_05b"
+SECTION = REPO / LESSON / "README.md"
 
 # float32 on CPU: a split run adds the same terms in another order (micro-batch by micro-batch,
 # rank by rank, block by block), which moves results by a few ulps of values of order 1 (observed
@@ -61,9 +69,9 @@ def load_script(path):
 # --------------------------------------------------------------------------------------------------
 # Pipeline parallelism
 
-SWEEP_DOC = (f"torchrun --nproc_per_node=4 {PP} --sweep 1-16 --sweep-p 2,4 --layer-ms 25 "
-             "--metrics-out 05-advanced/figures/pp_sweep.json "
-             "--plot 05-advanced/figures/pp_bubble.png")
+SWEEP_DOC = (f"torchrun --nproc_per_node=4 {SWEEP} --microbatches 1-16 --pipeline-sizes 2,4 "
+             f"--layer-ms 25 --json-out {LESSON}/figures/pp_sweep.json")
+PLOT_DOC = f"python {FIGURES} {LESSON}/figures/pp_sweep.json {LESSON}/figures/pp_bubble.png"
 # m = 1, 4 and 3, which neither p = 2 nor p = 4 divides.
 SWEEP_M = [1, 3, 4]
 # Fixed cost: 50 ms per layer forward, 100 backward: a stage of 8 / p layers works 200 ms
@@ -78,19 +86,32 @@ HOP_S = 0.010
 @pytest.fixture(scope="module")
 def pp_sweep(tmp_path_factory):
     """The README's sweep command with a short list and longer boxes: p = 2 (ranks 0-1, ranks 2-3
-    wait) and p = 4 in one launch."""
+    wait) and p = 4 in one launch; then the README's command that draws it."""
     assert readme_mentions(SECTION, SWEEP_DOC), "the sweep command must be in the README"
+    assert readme_mentions(SECTION, PLOT_DOC), "the command drawing the sweep must be in the README"
     out = tmp_path_factory.mktemp("pp")
-    cmd = torchrun_cmd(PP, "--sweep", ",".join(map(str, SWEEP_M)), "--sweep-p", "2,4",
-                       "--layer-ms", LAYER_MS, "--metrics-out", out / "sweep.json",
-                       "--check-out", out / "check.pt", nproc=4)
+    cmd = torchrun_cmd(SWEEP, "--microbatches", ",".join(map(str, SWEEP_M)),
+                       "--pipeline-sizes", "2,4", "--layer-ms", LAYER_MS,
+                       "--json-out", out / "sweep.json", nproc=4)
     launch(cmd, timeout=280)
-    runs = read_json(out / "sweep.json")["runs"]
-    return runs, torch.load(out / "check.pt", weights_only=True)
+    run_python(FIGURES, out / "sweep.json", out / "bubble.png")
+    assert (out / "bubble.png").read_bytes()[:4] == b"\x89PNG"
+    return read_json(out / "sweep.json")["runs"]
 
 
-def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(pp_sweep):
-    runs, checks = pp_sweep
+@pytest.fixture(scope="module")
+def pp_gradients(tmp_path_factory):
+    """Loss and gradients of one step of every configuration the sweep measures (p = 2 and 4, the
+    same m), from the worker that drives pipeline_parallel.py's Pipeline."""
+    out = tmp_path_factory.mktemp("pp_grads") / "grads.pt"
+    launch(torchrun_cmd(f"{WORKERS}/pp_gradients.py", "--pipeline-sizes", "2,4",
+                        "--microbatches", ",".join(map(str, SWEEP_M)), "--out", out, nproc=4),
+           timeout=240)
+    return torch.load(out, weights_only=True)
+
+
+def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(pp_sweep, pp_gradients):
+    runs, checks = pp_sweep, pp_gradients
     pp = load_script(PP)
     expected = {f"p{p}/{impl}/{s}/m{m}" for p in (2, 4) for impl in ("manual", "torch")
                 for s in pp.SCHEDULES for m in SWEEP_M}
@@ -104,7 +125,7 @@ def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(pp_sweep):
     for key, got in checks.items():
         torch.manual_seed(0)  # the script's --seed default: the same initial weights
         model = pp.PipeModel()
-        x, y = pp.global_batch(0, 0, got["batch"])
+        x, y = classification_batch(0, 0, got["batch"])
         loss = F.cross_entropy(model(x), y)  # the whole batch at once, no pipeline
         loss.backward()
         assert got["loss"] == pytest.approx(loss.item(), rel=RTOL, abs=ATOL), key
@@ -114,7 +135,7 @@ def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(pp_sweep):
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_bubble_with_fixed_cost_stages_matches_the_formula(pp_sweep, p):
-    runs, _ = pp_sweep
+    runs = pp_sweep
     stage_fwd_s = LAYER_MS / 1000 * 8 / p
     checked = 0
     for r in (r for r in runs if "skipped" not in r and r["p"] == p):
@@ -139,7 +160,7 @@ def test_bubble_with_fixed_cost_stages_matches_the_formula(pp_sweep, p):
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_1f1b_holds_at_most_p_microbatches_and_gpipe_holds_m(pp_sweep, p):
-    runs, _ = pp_sweep
+    runs = pp_sweep
     by = {(r["impl"], r["schedule"], r["m"]): r["per_rank"] for r in runs
           if "skipped" not in r and r["p"] == p}
     for impl in ("manual", "torch"):
@@ -165,7 +186,8 @@ def test_pipeline_training_export_equals_the_unsplit_model_trained_in_one_proces
     # world 2, the hand-written 1F1B: 8 micro-batches of 6 rows. (torch's schedules are held to
     # the same gradients by the sweep above; they share this script's export code.)
     run_torchrun(PP, "--steps", "4", "--export", tmp_path / "w2.pt", "--metrics-out",
-                 tmp_path / "w2.json", "--timeline", tmp_path / "t.png", nproc=2)
+                 tmp_path / "w2.json", nproc=2)
+    run_python(FIGURES, tmp_path / "w2.json", tmp_path / "t.png")  # the last step's timeline
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     got, sd = read_json(tmp_path / "w2.json"), load_export(tmp_path / "w2.pt")
     # What `python pipeline_parallel.py --steps 4` does, without any pipeline code: the script's
@@ -176,7 +198,7 @@ def test_pipeline_training_export_equals_the_unsplit_model_trained_in_one_proces
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     losses = []
     for step in range(4):
-        x, y = pp.global_batch(0, step, 48)
+        x, y = classification_batch(0, step, 48)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
@@ -201,16 +223,22 @@ MOE_STEPS = 4
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
+    """Per world size: the script's training run (export, metrics) and the worker's first step
+    through the script's own code (weights, tokens, MoE outputs, drops, gradients)."""
     out = tmp_path_factory.mktemp("moe")
     runs = {}
     for world in (1, 2, 4):
         files = {k: out / f"w{world}.{k}" for k in ("pt", "check", "json")}
-        args = ["--steps", MOE_STEPS, "--batch-size", MOE_TOKENS // world, "--export",
-                files["pt"], "--check-out", files["check"], "--metrics-out", files["json"]]
+        batch = ["--batch-size", MOE_TOKENS // world]
+        args = ["--steps", MOE_STEPS, *batch, "--export", files["pt"], "--metrics-out",
+                files["json"]]
+        worker = [f"{WORKERS}/moe_first_step.py", files["check"], *batch]
         if world == 1:
             run_python(MOE, *args)  # every expert in one process; the all-to-alls are identities
+            run_python(*worker)
         else:
             run_torchrun(MOE, *args, nproc=world)
+            run_torchrun(*worker, nproc=world)
         runs[world] = {"export": load_export(files["pt"]), "metrics": read_json(files["json"]),
                        "check": torch.load(files["check"], weights_only=True)}
     return runs
@@ -254,7 +282,7 @@ def moe_reference():
     ref = {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "losses": []}
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     for step in range(MOE_STEPS):
-        x, y = moe.global_batch(0, step, MOE_TOKENS)
+        x, y = classification_batch(0, step, MOE_TOKENS)
         h = model.embed(x)
         out, dropped, aux = naive_moe(model, model.norm(h), 2, capacity, 16)
         loss = F.cross_entropy(model.head(h + out), y) + 0.01 * aux / (MOE_TOKENS // 16)
@@ -301,11 +329,12 @@ RING_LENS = (37, 50)  # 37 splits unevenly over 2, 3 and 4 ranks, 50 over 3 and 
 
 @pytest.fixture(scope="module")
 def ring_run(tmp_path_factory):
-    """Rings of 2, 3 and 4 ranks in one launch of 4 (a ring of W runs on ranks 0..W-1)."""
+    """Rings of 2, 3 and 4 ranks in one launch of 4 (a ring of W runs on ranks 0..W-1): the
+    script's measurements (JSON), and the worker's tensors of the same cases."""
     out = tmp_path_factory.mktemp("ring")
-    run_torchrun(RING, "--ring-sizes", "2,3,4", "--seq-lens", ",".join(map(str, RING_LENS)),
-                 "--repeats", "1", "--check-out", out / "check.pt", "--json-out",
-                 out / "ring.json", nproc=4)
+    cases = ["--ring-sizes", "2,3,4", "--seq-lens", ",".join(map(str, RING_LENS))]
+    run_torchrun(RING, *cases, "--repeats", "1", "--json-out", out / "ring.json", nproc=4)
+    run_torchrun(f"{WORKERS}/ring_cases.py", out / "check.pt", *cases, nproc=4)
     return torch.load(out / "check.pt", weights_only=True), read_json(out / "ring.json")
 
 

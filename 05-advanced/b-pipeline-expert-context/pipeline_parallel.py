@@ -1,0 +1,621 @@
+"""Pipeline parallelism: one model cut into p stages (one per rank), a batch cut into m
+micro-batches, and the schedules that decide who computes what when: GPipe and 1F1B written by
+hand with send/recv, and the same (plus interleaved 1F1B) with torch.distributed.pipelining.
+
+Launch (from the repository root, with D=05-advanced/b-pipeline-expert-context):
+    python $D/pipeline_parallel.py                                # p = 1: the unsplit model
+    torchrun --nproc_per_node=4 $D/pipeline_parallel.py           # 1F1B by hand, p = 4, m = 8
+    torchrun --nproc_per_node=4 $D/pipeline_parallel.py --schedule gpipe --layer-ms 25 \\
+        --metrics-out runs/pp_gpipe.json                          # fixed-cost stages
+    python $D/figures/pp_figures.py runs/pp_gpipe.json runs/pp_gpipe.png   # draw its timeline
+    torchrun --nproc_per_node=2 $D/pipeline_parallel.py --impl torch --schedule interleaved
+    torchrun --nproc_per_node=4 $D/pipeline_sweep.py ...          # bubble and memory for many m
+
+The mechanism, for p = 4 stages and m = 4 micro-batches (F = forward, B = backward, . = idle):
+
+    GPipe (all forwards, then all backwards)       1F1B (after a warm-up, one forward, one backward)
+    rank 0  F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3      F0 F1 F2 F3 .  .  B0 .  B1 .  B2 .  B3
+    rank 1  .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3 .        .  F0 F1 F2 .  B0 F3 B1 .  B2 .  B3 .
+    rank 2  .  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 .  .        .  .  F0 F1 B0 F2 B1 F3 B2 .  B3 .  .
+    rank 3  .  .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .  .        .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
+    (drawn with B as long as F; the real B costs about 2 F)
+
+Both have the same bubble, (p - 1) / (m + p - 1) of the step: the fill and the drain of the pipe.
+They differ in memory: GPipe keeps the activations of all m micro-batches until the backward pass
+starts; 1F1B starts the backward of micro-batch 0 as soon as it can, so rank r holds at most p - r.
+Interleaved 1F1B gives each rank v smaller stages (rank r holds stages r, r + p, ...): the fill and
+drain are made of stages v times shorter, so the bubble shrinks to (p - 1) / (v m + p - 1), at the
+price of v times more point-to-point transfers.
+
+Communication: the only traffic is point to point between neighbours: stage s sends its output
+activation (rows, hidden) to stage s + 1, and receives d(loss)/d(output) of the same shape back.
+"""
+
+import inspect
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtcourse import cli, launch, report
+from dtcourse.data import classification_batch
+
+SCRIPT = "05-advanced/b-pipeline-expert-context/pipeline_parallel.py"
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+# --------------------------------------------------------------------------------------------------
+# A stage: a contiguous slice of the model's layers (PipeModel, below)
+
+
+class Stage(nn.Module):
+    """Pipeline stage `index` of `num_stages`: a contiguous slice of PipeModel's blocks, plus the
+    embedding on the first stage and the head on the last. (rows, in) -> (rows, out)."""
+
+    def __init__(self, model: "PipeModel", index: int, num_stages: int):
+        super().__init__()
+        layers = len(model.blocks)
+        lo, hi = index * layers // num_stages, (index + 1) * layers // num_stages
+        self.index = index
+        self.embed = model.embed if index == 0 else None
+        self.blocks = nn.ModuleList(model.blocks[lo:hi])
+        self.head = model.head if index == num_stages - 1 else None
+        self.block_ids = list(range(lo, hi))
+
+    def full_name(self, name: str) -> str:
+        """This stage's parameter name -> the unsplit PipeModel's (blocks.0 -> blocks.<lo>)."""
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            return f"blocks.{self.block_ids[int(i)]}.{rest}"
+        return name
+
+    def forward(self, x):
+        h = self.embed(x) if self.embed is not None else x
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h) if self.head is not None else h
+
+
+# --------------------------------------------------------------------------------------------------
+# The point-to-point link. Stage s talks to stage s - 1 (prev) and s + 1 (next) only; activations
+# and gradients have the shape (rows of a micro-batch, hidden).
+
+
+class Link:
+    """Point-to-point transfers of one stage (None at the ends of the pipe)."""
+
+    def __init__(self, rank: int, p: int, shape, device):
+        self.prev = rank - 1 if rank > 0 else None
+        self.next = rank + 1 if rank < p - 1 else None
+        self.shape, self.device = shape, device
+
+    def recv_forward(self):  # fwd: activation of stage s - 1
+        x = torch.empty(self.shape, device=self.device)
+        dist.recv(x, src=self.prev)
+        return x.requires_grad_()  # a leaf: its .grad is what we send back
+
+    def send_forward(self, y):
+        dist.send(y.detach().contiguous(), dst=self.next)
+
+    def recv_backward(self):  # bwd: d loss / d (our output), from stage s + 1
+        g = torch.empty(self.shape, device=self.device)
+        dist.recv(g, src=self.next)
+        return g
+
+    def send_backward(self, dx):
+        dist.send(dx.contiguous(), dst=self.prev)
+
+    def exchange(self, send, peer):
+        """Send `send` to `peer` and receive a tensor of the same shape from it, both posted at
+        once. In 1F1B neighbours send to each other at the same moment (activation one way,
+        gradient the other); two blocking sends would wait for each other forever on NCCL."""
+        got = torch.empty(self.shape, device=self.device)
+        ops = [dist.P2POp(dist.isend, send.detach().contiguous(), peer),
+               dist.P2POp(dist.irecv, got, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return got
+
+
+# --------------------------------------------------------------------------------------------------
+# The schedules by hand. Each transfer is one line.
+
+
+def micro_loss(logits, target, m: int):
+    """Loss of one micro-batch, scaled so that the m of them add up to the full batch's mean loss
+    (micro-batches are equal in size), hence gradients equal to the unsplit model's."""
+    return F.cross_entropy(logits, target) / m
+
+
+class ManualStage:
+    """Forward and backward of one micro-batch on this rank's stage, ends of the pipe included."""
+
+    def __init__(self, stage: Stage, link: Link, x_mbs, y_mbs, m: int):
+        self.stage, self.link, self.m = stage, link, m
+        self.x_mbs, self.y_mbs = x_mbs, y_mbs  # used on the first / last stage only
+        self.saved = {}  # micro-batch -> (input, output): the activations held for backward
+        self.losses = []
+
+    def forward(self, i, x):
+        """x: the received activation (None on the first stage, which reads the data)."""
+        x = self.x_mbs[i] if x is None else x
+        y = self.stage(x)
+        if self.link.next is None:  # last stage: the output is the loss
+            y = micro_loss(y, self.y_mbs[i], self.m)
+            self.losses.append(y.detach())
+        self.saved[i] = (x, y)
+        return y
+
+    def backward(self, i, grad):
+        """grad: d loss / d output (None on the last stage); returns d loss / d input."""
+        x, y = self.saved.pop(i)
+        torch.autograd.backward(y, grad)  # accumulates into the stage's .grad (sum over i)
+        return x.grad if self.link.prev is not None else None
+
+
+def gpipe(run: ManualStage, link: Link, m: int):
+    """GPipe (Huang et al. 2019): all m forwards, then all m backwards (reverse order is not
+    needed for correctness; we keep 0..m-1). Rank r holds all m micro-batches' activations."""
+    for i in range(m):
+        x = link.recv_forward() if link.prev is not None else None
+        y = run.forward(i, x)
+        if link.next is not None:
+            link.send_forward(y)
+    for i in range(m):
+        g = link.recv_backward() if link.next is not None else None
+        dx = run.backward(i, g)
+        if link.prev is not None:
+            link.send_backward(dx)
+
+
+def one_f_one_b(run: ManualStage, link: Link, p: int, rank: int, m: int):
+    """1F1B (PipeDream-flush, Narayanan et al. 2021): rank r runs p - r - 1 warm-up forwards, then
+    alternates one forward and one backward, then drains the remaining backwards. It holds at most
+    p - r micro-batches of activations instead of m."""
+    first, last = link.prev is None, link.next is None
+    warmup = min(m, p - rank - 1)
+    steady = m - warmup
+    for i in range(warmup):
+        y = run.forward(i, None if first else link.recv_forward())
+        if not last:
+            link.send_forward(y)
+    x = None if first or steady == 0 else link.recv_forward()
+    for j in range(steady):
+        y = run.forward(warmup + j, x)
+        # send activation j + warmup down, receive the gradient of micro-batch j up: one exchange
+        g = None if last else link.exchange(y, link.next)
+        dx = run.backward(j, g)
+        if first:
+            continue
+        if j == steady - 1:
+            link.send_backward(dx)
+        else:  # send gradient j up, receive the next activation: the other exchange
+            x = link.exchange(dx, link.prev).requires_grad_()
+    for i in range(steady, m):  # cool-down: the backwards of the warm-up micro-batches
+        dx = run.backward(i, None if last else link.recv_backward())
+        if not first:
+            link.send_backward(dx)
+
+
+# --------------------------------------------------------------------------------------------------
+# The same schedules with torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B)
+
+
+def torch_schedule(stages, schedule: str, p: int, m: int, rows: int, hidden: int, device,
+                   group=None):
+    """Wrap our Stage modules in PipelineStage and pick the library's schedule. The example
+    input/output tensors give the P2P buffer shapes up front (no shape-inference pass); their
+    requires_grad tells the library which gradients travel back (all but the data's)."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+    n = p * len(stages)
+    pipe_stages = []
+    for st in stages:
+        width_in = st.embed.in_features if st.embed is not None else hidden
+        width_out = st.head.out_features if st.head is not None else hidden
+        pipe_stages.append(PipelineStage(
+            st, st.index, n, device,
+            input_args=(torch.empty(rows, width_in, device=device,
+                                    requires_grad=st.embed is None),),
+            output_args=(torch.empty(rows, width_out, device=device, requires_grad=True),),
+            group=group))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+           "interleaved": ScheduleInterleaved1F1B}[schedule]
+    # torch >= 2.7 divides gradients by m unless scale_grads=False; older versions never do.
+    # micro_loss already divides by m, so we switch the library's scaling off where it exists.
+    extra = {"scale_grads": False} if "scale_grads" in inspect.signature(cls).parameters else {}
+
+    def loss_fn(logits, target):
+        return micro_loss(logits, target, m)
+
+    if schedule == "interleaved":
+        return cls(pipe_stages, n_microbatches=m, loss_fn=loss_fn, **extra)
+    return cls(pipe_stages[0], n_microbatches=m, loss_fn=loss_fn, **extra)
+
+
+# --------------------------------------------------------------------------------------------------
+# One pipeline, either implementation
+
+
+def build_stages(args, p: int, v: int, rank: int):
+    """Build the unsplit model from the seed on every rank (identical initial weights), keep the
+    stages of this rank and drop the rest. (A large model would be built on the meta device and
+    only this rank's stages materialised; the weights would then come from a checkpoint.)
+    Interleaved: rank r holds stages r, r + p, r + 2p, ... (v of them)."""
+    torch.manual_seed(args.seed)
+    model = PipeModel(args.layers, args.hidden)
+    recorder = Recorder()
+    stages = [MeasuredStage(model, rank + c * p, p * v, args.layer_ms, recorder)
+              for c in range(v)]
+    recorder.meter.param_storages = {q.untyped_storage().data_ptr()
+                                     for st in stages for q in st.parameters()}
+    return stages, recorder
+
+
+class Pipeline:
+    """The pipeline of ranks 0..p-1 (`group`: their process group; None: all ranks): this rank's
+    v stages of the model that `args` describes (--seed --layers --hidden --layer-ms), the link
+    to its neighbours, and the schedule that drives them over m micro-batches of `batch` rows."""
+
+    def __init__(self, args, impl: str, schedule: str, p: int, v: int, m: int, batch: int,
+                 rank: int, device, group=None):
+        self.impl, self.schedule, self.p, self.v, self.m = impl, schedule, p, v, m
+        self.rank, self.device, self.group, self.rows = rank, device, group, batch // m
+        self.stages, self.recorder = build_stages(args, p, v, rank)
+        for st in self.stages:
+            st.to(device)
+        self.link = Link(rank, p, (self.rows, args.hidden), device)
+        if impl == "torch":
+            self.torch_sched = torch_schedule(self.stages, schedule, p, m, self.rows, args.hidden,
+                                              device, group)
+
+    def parameters(self):
+        return [q for st in self.stages for q in st.parameters()]
+
+    def step(self, x, y, fixed_cost: bool = True):
+        """Forward and backward of one batch: fills .grad. Returns the loss on the rank that
+        holds the last stage (a 0-dim tensor), None on the others."""
+        first, last = self.rank == 0, self.rank == self.p - 1
+        for st in self.stages:
+            st.cost_s = st.layer_cost_s if fixed_cost else 0.0
+        x, y = x.to(self.device), y.to(self.device)
+        dist.barrier(group=self.group)  # every stage starts the clock together: the step's window
+        self.recorder.reset()
+        if self.impl == "manual":
+            run = ManualStage(self.stages[0], self.link, x.chunk(self.m), y.chunk(self.m), self.m)
+            if self.schedule == "gpipe":
+                gpipe(run, self.link, self.m)
+            else:
+                one_f_one_b(run, self.link, self.p, self.rank, self.m)
+            loss = torch.stack(run.losses).sum() if last else None
+        else:
+            losses = []
+            # The first stage gets the whole batch, the last the targets; the library cuts them
+            # into m micro-batches with tensor_split (the same rows as x.chunk(m) above).
+            self.torch_sched.step(*([x] if first else []), target=y if last else None,
+                                  losses=losses if last else None)
+            loss = torch.stack(losses).sum().detach() if last else None
+        dist.barrier(group=self.group)
+        self.window_s = self.recorder.now()
+        return loss
+
+    def full_state(self, grads: bool = False):
+        """{unsplit PipeModel name: tensor on CPU} of this rank's stages (weights or grads)."""
+        out = {}
+        for st in self.stages:
+            for name, prm in st.named_parameters():
+                t = prm.grad if grads else prm
+                out[st.full_name(name)] = (torch.zeros_like(prm) if t is None else t).detach().cpu()
+        return out
+
+    def measured(self):
+        """This rank's compute time, bubble (idle share of the step) and memory, last step."""
+        busy = sum(end - start for _, _, _, start, end in self.recorder.events)
+        return {"window_s": self.window_s, "busy_s": busy, "bubble": 1 - busy / self.window_s,
+                "peak_held_microbatches": self.recorder.peak_held,
+                "peak_activation_bytes": self.recorder.meter.peak,
+                "events": self.recorder.events}
+
+    def formula(self):
+        return (self.p - 1) / (self.v * self.m + self.p - 1)
+
+
+def merge(parts):
+    """The ranks' {name: tensor} pieces -> one state_dict of the unsplit PipeModel."""
+    return {k: t for part in parts for k, t in part.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# The model every pipeline must reproduce (data: dtcourse.data.classification_batch)
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block: x + W2 gelu(W1 norm(x)); (rows, hidden) -> (rows, hidden)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 2 * hidden)
+        self.fc2 = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class PipeModel(nn.Module):
+    """embed (32 -> hidden) -> `layers` blocks -> head (hidden -> 10 classes)."""
+
+    def __init__(self, layers: int = 8, hidden: int = 64, features: int = 32, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Linear(features, hidden)
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+# --------------------------------------------------------------------------------------------------
+# Instruments: compute intervals (the timeline) and the activations a rank holds
+
+
+class ActivationMeter:
+    """Bytes of activations saved for backward, live now and at peak, counted by autograd's
+    saved-tensor hooks: a tensor is counted when a forward saves it and released when autograd
+    frees the graph after that micro-batch's backward. Parameters (also saved by F.linear) are
+    not activations and are skipped; a tensor saved twice (by two operations) counts once."""
+
+    def __init__(self):
+        self.param_storages = set()
+        self.refs: dict[tuple, list[int]] = {}  # (address, shape) -> [times saved, bytes]
+        self.live = self.peak = 0
+
+    def pack(self, t):
+        if t.untyped_storage().data_ptr() in self.param_storages:
+            return t
+        key = (t.data_ptr(), tuple(t.shape))
+        entry = self.refs.setdefault(key, [0, t.numel() * t.element_size()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        return _Saved(t, self, key)
+
+    def release(self, key):
+        entry = self.refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= self.refs.pop(key)[1]
+
+    @staticmethod
+    def unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+class _Saved:
+    """What autograd keeps instead of the tensor; freed with the graph, it tells the meter."""
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, tensor, meter, key):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        self.meter.release(self.key)
+
+
+class Recorder:
+    """This rank's view of one step: compute intervals (kind, stage, micro-batch, start, end) in
+    seconds since the step started, the micro-batches whose activations are held, and the bytes."""
+
+    def __init__(self):
+        self.meter = ActivationMeter()
+        self.reset()
+
+    def reset(self):
+        self.t0 = time.perf_counter()
+        self.events, self.forwards = [], {}
+        self.held = self.peak_held = 0
+        self.meter.peak = self.meter.live
+
+    def now(self):
+        return time.perf_counter() - self.t0
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity in forward; in backward it calls `hook` when the gradient passes through. The
+    `anchor` (a scalar that requires grad) keeps the node in the graph on the first stage, whose
+    input does not require grad."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, hook):
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hook()
+        return (grad if ctx.needs_input_grad[0] else None), None, None
+
+
+class MeasuredStage(Stage):
+    """A Stage whose forward and backward are recorded as boxes of the timeline and, with
+    --layer-ms, made to cost a fixed time (sleep) so the bubble can be measured exactly. A
+    backward box opens when the gradient of the stage's output arrives and closes when the
+    gradient of its input leaves: an _OnBackward marker at each end of the stage."""
+
+    def __init__(self, model: PipeModel, index: int, num_stages: int, layer_ms: float,
+                 recorder: Recorder):
+        super().__init__(model, index, num_stages)
+        self.recorder = recorder
+        self.cost_s = layer_ms * len(self.blocks) / 1000  # set to 0 for an untimed warm-up step
+        self.layer_cost_s = self.cost_s
+        self.anchor = torch.zeros((), requires_grad=True)  # not a parameter: see _OnBackward
+        self.bwd_start = {}
+
+    def forward(self, x):
+        rec = self.recorder
+        mb = rec.forwards[self.index] = rec.forwards.get(self.index, -1) + 1  # in order 0..m-1
+        start = rec.now()
+        # bwd: the gradient leaves the stage here, last of all: that closes this backward box
+        x = _OnBackward.apply(x, self.anchor, lambda: self._backward_done(mb))
+        with torch.autograd.graph.saved_tensors_hooks(rec.meter.pack, rec.meter.unpack):
+            h = super().forward(x)
+        time.sleep(self.cost_s)
+        rec.events.append(("F", self.index, mb, start, rec.now()))
+        rec.held += 1
+        rec.peak_held = max(rec.peak_held, rec.held)
+        # bwd: the gradient of the output arrives here first: that opens the backward box
+        return _OnBackward.apply(h, self.anchor, lambda: self.bwd_start.update({mb: rec.now()}))
+
+    def _backward_done(self, mb):
+        time.sleep(2 * self.cost_s)  # a backward costs about two forwards (two matmuls per one)
+        rec = self.recorder
+        rec.events.append(("B", self.index, mb, self.bwd_start.pop(mb), rec.now()))
+        rec.held -= 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Training and the report
+
+
+def train(args, d):
+    p, m = d.world_size, args.microbatches
+    v = virtual_stages(args.schedule, args.virtual_stages)
+    pipe = Pipeline(args, args.impl, args.schedule, p, v, m, args.batch_size, d.rank, d.device)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=0.01)
+    report.print0(f"pipeline: p = {p} rank(s) x v = {v} stage(s) | {args.layers} layers | "
+                  f"schedule {args.schedule} ({args.impl}) | batch {args.batch_size} = {m} "
+                  f"micro-batches of {pipe.rows} | device {d.device}")
+    losses, t_start = [], None
+    bar = report.progress(args.steps, "train")
+    for step in range(args.steps):
+        if step == 1:
+            t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
+        x, y = classification_batch(args.seed, step, args.batch_size)  # every stage: same rows
+        loss = pipe.step(x, y)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # The loss lives on the last stage: one broadcast brings it to rank 0 for the log.
+        held = loss.reshape(1) if loss is not None else torch.zeros(1, device=d.device)
+        dist.broadcast(held, src=p - 1)
+        losses.append(held.item())
+        bar.update(1)
+        if d.rank == 0 and ((step + 1) % 5 == 0 or step in (0, args.steps - 1)):
+            bar.write(f"step {step + 1:4d}/{args.steps} | loss {losses[-1]:.4f}")
+    bar.close()
+    elapsed = time.perf_counter() - t_start if t_start else float("nan")
+    samples_per_s = (args.steps - 1) * args.batch_size / elapsed if t_start else float("nan")
+    report_run(args, d, pipe, optimizer, losses, samples_per_s)
+
+
+def report_run(args, d, pipe, optimizer, losses, samples_per_s):
+    """Print the last step's bubble and memory; write the metrics (with every rank's timeline
+    of the last step: figures/pp_figures.py draws it) and the unsplit model's state_dict."""
+    per_rank = report.gather(dict(pipe.measured(), **report.held_bytes(
+        params=pipe.parameters(), optimizer=optimizer, device=d.device)))
+    weights = merge(report.gather(pipe.full_state()))
+    bubble = sum(r["bubble"] for r in per_rank) / d.world_size
+    report.print0(f"last step: bubble {bubble:.3f} measured (mean over ranks) vs "
+                  f"{pipe.formula():.3f} = (p-1)/({'v*' if pipe.v > 1 else ''}m+p-1) | "
+                  f"micro-batches held per rank {[r['peak_held_microbatches'] for r in per_rank]}"
+                  f" | peak activations per rank (KiB) "
+                  f"{[round(r['peak_activation_bytes'] / 1024, 1) for r in per_rank]}")
+    report.print0(f"done: {args.steps} steps, {samples_per_s:.0f} samples/s")
+    metrics = report.metrics(
+        d, script=SCRIPT, strategy="pipeline", steps=args.steps, global_batch=args.batch_size,
+        losses=losses, samples_per_s=samples_per_s, per_rank=per_rank, schedule=args.schedule,
+        impl=args.impl, pipeline_stages=d.world_size * pipe.v, virtual_stages=pipe.v,
+        microbatches=pipe.m, layers=args.layers, layer_ms=args.layer_ms, bubble=bubble,
+        bubble_formula=pipe.formula())
+    report.finish(args, metrics, weights)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks, arguments and launch
+
+
+def virtual_stages(schedule: str, v_arg: int) -> int:
+    return (v_arg or 2) if schedule == "interleaved" else (v_arg or 1)
+
+
+def too_few_layers(p: int, v: int, layers: int):
+    return (f"{p} pipeline ranks x {v} stage(s) per rank = {p * v} stages, but --layers {layers}"
+            " gives fewer layers than stages (each stage needs at least one)")
+
+
+def unsupported(impl: str, schedule: str, p: int, v: int, m: int, layers: int, batch: int):
+    """Why this combination cannot run (a message naming every number), or None."""
+    if p * v > layers:
+        return too_few_layers(p, v, layers)
+    if batch % m:
+        return (f"--batch-size {batch} is not divisible by --microbatches {m} (the receiving "
+                "stage preallocates one buffer shape for every micro-batch)")
+    if schedule == "interleaved" and impl == "manual":
+        return "the interleaved schedule is shown with --impl torch (manual: gpipe or 1f1b)"
+    if schedule == "interleaved" and v < 2:
+        return f"interleaved needs --virtual-stages >= 2, got {v}"
+    if schedule != "interleaved" and v != 1:
+        return f"--virtual-stages {v} needs --schedule interleaved ({schedule} has 1 per rank)"
+    if impl == "torch" and schedule == "1f1b" and m < p:
+        return (f"torch's Schedule1F1B needs --microbatches >= stages: m = {m} < p = {p} "
+                "(use --impl manual or --schedule gpipe)")
+    if impl == "torch" and schedule == "interleaved" and m % max(1, m // p):
+        return (f"torch's ScheduleInterleaved1F1B splits the m = {m} micro-batches into "
+                f"max(1, m // p) = {m // p} rounds of equal size (p = {p}): m must be a multiple")
+    return None
+
+
+def add_model_args(p):
+    """The model and its fixed cost (shared with pipeline_sweep.py)."""
+    p.add_argument("--layers", type=int, default=8, help="residual blocks, cut evenly into stages")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layer-ms", type=float, default=0.0,
+                   help="fixed cost: each block sleeps this long in forward, twice in backward")
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p)
+    cli.add_train_args(p, steps=20, batch_size=48, lr=3e-3, grad_accum=False,
+                       batch_help="rows per step, shared by the whole pipeline; split into m "
+                                  "micro-batches")
+    cli.add_output_args(p)
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--impl", choices=["manual", "torch"], default="manual",
+                   help="manual: send/recv written out here; torch: torch.distributed.pipelining")
+    p.add_argument("--microbatches", type=int, default=8, help="m: micro-batches per step")
+    p.add_argument("--virtual-stages", type=int, default=0,
+                   help="v: stages per rank (interleaved only; 0 = 2 for interleaved, else 1)")
+    add_model_args(p)
+    args = p.parse_args(argv)
+    cli.check_positive(args, "microbatches", "layers", "hidden", "steps", "batch_size", "lr",
+                       "timeout_s")
+    if args.layer_ms < 0 or args.virtual_stages < 0:
+        cli.fail(f"--layer-ms and --virtual-stages must be >= 0, got {args.layer_ms:g} and "
+                 f"{args.virtual_stages}")
+    # Before any process group: every rank reaches the same verdict and exits alike.
+    why = unsupported(args.impl, args.schedule, launch.launched().world_size,
+                      virtual_stages(args.schedule, args.virtual_stages), args.microbatches,
+                      args.layers, args.batch_size)
+    if why:
+        cli.fail(why)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with launch.distributed(args.device, args.timeout_s) as d:
+        train(args, d)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Test worker (launched by tests/test_05b_pipeline_expert_context.py with torchrun at world size
+4): one step of every implementation and schedule of pipeline_parallel.py's Pipeline, for each
+pipeline size p (on ranks 0..p-1, the others waiting) and micro-batch count m, with micro-batches
+of 4 rows. Rank 0 saves, for every configuration the script accepts, the loss and the gradients
+of the whole model gathered from the stages, keyed 'p{p}/{impl}/{schedule}/m{m}'; the test
+compares them with the unsplit model's.
+"""
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dtcourse import launch, report
+from dtcourse.data import classification_batch
+
+LESSON = Path(__file__).resolve().parents[2] / "05-advanced" / "b-pipeline-expert-context"
+spec = importlib.util.spec_from_file_location(
+    "pipeline_parallel", LESSON / "pipeline_parallel.py")
+pp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pp)
+
+ROWS = 4  # rows per micro-batch
+
+
+def one_config(model_args, d, p, group, impl, schedule, m):
+    """(loss, gradients of the unsplit model) on rank 0, None elsewhere; None if refused."""
+    v, batch = pp.virtual_stages(schedule, 0), ROWS * m
+    if pp.unsupported(impl, schedule, p, v, m, model_args.layers, batch):
+        return None
+    loss = grads = None
+    if d.rank < p:
+        pipe = pp.Pipeline(model_args, impl, schedule, p, v, m, batch, d.rank, d.device, group)
+        x, y = classification_batch(model_args.seed, 0, batch)
+        loss = pipe.step(x, y)
+        grads = pipe.full_state(grads=True)
+    parts = report.gather(grads)
+    # the loss lives on the last stage of the pipeline, rank p - 1
+    held = loss.reshape(1) if loss is not None else torch.zeros(1, device=d.device)
+    dist.broadcast(held, src=p - 1)
+    return {"loss": held.item(), "batch": batch, "grads": pp.merge(g for g in parts if g)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--pipeline-sizes", required=True)
+    p.add_argument("--microbatches", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    model_args = pp.parse_args([])  # the script's defaults: seed 0, 8 layers, hidden 64
+    checks = {}
+    with launch.distributed("cpu", 120) as d:
+        for size in map(int, args.pipeline_sizes.split(",")):
+            group = dist.new_group(list(range(size))) if size < d.world_size else None
+            for impl in ("manual", "torch"):
+                for schedule in pp.SCHEDULES:
+                    for m in map(int, args.microbatches.split(",")):
+                        got = one_config(model_args, d, size, group, impl, schedule, m)
+                        if got is not None:
+                            checks[f"p{size}/{impl}/{schedule}/m{m}"] = got
+        if d.rank == 0:
+            torch.save(checks, args.out)
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
