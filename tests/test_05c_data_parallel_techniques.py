@@ -1,33 +1,54 @@
-"""Lesson 05c: the techniques that make data parallelism fast and debuggable.
+"""Lesson 05c: the techniques that make data parallelism fast and debuggable
+(05-advanced/c-data-parallel-techniques/).
 
 Each fixture is one launch of a lesson script (module-scoped, shared by several asserts), so the
-whole file costs about a dozen process launches on a 2-core CPU.
+whole file costs about a dozen process launches on a 2-core CPU. The tests read what a reader's
+run writes (--metrics-out, --export); two hand-written mechanisms (the gradients of the --buggy
+accumulation, top-k's error feedback) are checked through the scripts' own functions by one
+worker, tests/workers_05c/mechanisms.py. The README's quoted outputs that do not depend on the
+machine's speed are compared with a fresh run of the command above them.
 """
 
+import importlib.util
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
+
+from dtcourse.models import MLP
 
 from conftest import (REPO, assert_state_dicts_close, load_export, read_json, readme_mentions,
                       run_python, run_readme_command, run_torchrun)
 
-DOCS = sorted((REPO / "05-advanced").rglob("*.md"))
+LESSON = "05-advanced/c-data-parallel-techniques"
+DOCS = sorted((REPO / LESSON).rglob("*.md"))
 
-ACCUM = "05-advanced/gradient_accumulation.py"
-OVERLAP = "05-advanced/communication_overlap.py"
-COMPRESS = "05-advanced/gradient_compression.py"
-ASYNC = "05-advanced/async_sgd.py"
-PROFILE = "05-advanced/profiling.py"
-DATA = "05-advanced/data_loading.py"
-HANG = "05-advanced/hang_debugging.py"
+ACCUM = f"{LESSON}/gradient_accumulation.py"
+OVERLAP = f"{LESSON}/communication_overlap.py"
+COMPRESS = f"{LESSON}/gradient_compression.py"
+ASYNC = f"{LESSON}/async_sgd.py"
+PROFILE = f"{LESSON}/profiling.py"
+DATA = f"{LESSON}/data_loading.py"
+HANG = f"{LESSON}/hang_debugging.py"
+FIGURES = f"{LESSON}/figures/dp_figures.py"
+MECHANISMS = "tests/workers_05c/mechanisms.py"
+README = REPO / LESSON / "README.md"
 
 # float32 on CPU: the same samples, summed in a different order (per rank, then all-reduced)
 # differ by a few ulps per step; 1e-5 relative / 1e-6 absolute leaves a margin of ~10x over
 # the measured ~2e-7 after a few steps and still catches any real difference (a missing
 # average, a gradient reduced twice, an unsynchronised replica all give errors >= 1e-3).
 RTOL, ATOL = 1e-5, 1e-6
+
+
+def load_module(script: str):
+    """A lesson script imported as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location(script.rsplit("/", 1)[-1][:-3], REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # --------------------------------------------------------------------------------------------------
@@ -41,12 +62,19 @@ def accumulation(tmp_path_factory):
     # One process with the full batch of 32 per step vs 2 ranks x micro-batch 8 x accumulation 2.
     run_python(ACCUM, *common, "--batch-size", "32", "--grad-accum", "1",
                "--export", d / "w1.pt", "--metrics-out", d / "w1.json")
-    # Step 1 is computed both ways by every run (correct, and with the --buggy loss scaling)
-    # on the same weights and samples; --grads-out saves both.
     run_torchrun(ACCUM, *common, "--batch-size", "8", "--grad-accum", "2",
-                 "--export", d / "w2.pt", "--metrics-out", d / "w2.json",
-                 "--grads-out", d / "grads.pt")
+                 "--export", d / "w2.pt", "--metrics-out", d / "w2.json")
     return d
+
+
+@pytest.fixture(scope="module")
+def mechanisms(tmp_path_factory):
+    """The worker's results: step 1's gradients both ways (world 2, micro-batch 8, accumulation
+    2, --hidden 32, as the accumulation fixture's first step) and top-k's bookkeeping after 30
+    steps of gradient_compression.py's defaults."""
+    out = tmp_path_factory.mktemp("mechanisms") / "mechanisms.pt"
+    run_torchrun(MECHANISMS, "--out", out, "--topk-steps", "30")
+    return torch.load(out, weights_only=True)
 
 
 def test_accumulation_world2_equals_one_process_full_batch(accumulation):
@@ -61,12 +89,14 @@ def test_accumulation_world2_equals_one_process_full_batch(accumulation):
     assert w2["allreduces_per_step"] == 1
 
 
-def test_buggy_accumulation_gradients_are_exactly_accum_times_larger(accumulation):
-    grads = torch.load(accumulation / "grads.pt", weights_only=True)
+def test_buggy_accumulation_gradients_are_exactly_accum_times_larger(accumulation,
+                                                                    mechanisms):
+    grads = mechanisms["grads"]
     assert set(grads) == {"correct", "buggy"}
-    # Bitwise: the same weights and samples through the same accumulate() that --buggy trains
-    # with; the only difference is the factor 1/2 on each micro-step loss, and scaling by a power
-    # of two is exact in binary floating point (backward is linear in the loss gradient, and the
+    # Bitwise: step 1 computed both ways by the script's first_step_both_ways(), on the same
+    # weights and samples, through the same accumulate() that --buggy trains with; the only
+    # difference is the factor 1/2 on each micro-step loss, and scaling by a power of two is
+    # exact in binary floating point (backward is linear in the loss gradient, and the
     # all-reduce sums the scaled values), so every gradient is exactly 2x.
     for name, correct in grads["correct"].items():
         torch.testing.assert_close(grads["buggy"][name], 2 * correct, rtol=0, atol=0,
@@ -87,10 +117,12 @@ VARIANT_FILES = ["naive", "flat", "overlap", "bucketed_0.01mb", "bucketed_1mb", 
 def overlap(tmp_path_factory):
     d = tmp_path_factory.mktemp("overlap")
     # The one-process reference needs no wrapper at all: the naive variant on the full batch.
+    # With one variant --export writes PATH itself; with several, PATH with each variant's tag
+    # before the suffix (w2.naive.pt, w2.bucketed_0.01mb.pt, ...), listed in the metrics.
     run_python(OVERLAP, *OVERLAP_ARGS, "--batch-size", "8", "--variants", "naive",
-               "--export-dir", d / "w1")
-    run_torchrun(OVERLAP, *OVERLAP_ARGS, "--batch-size", "4", "--export-dir", d / "w2",
-                 "--json-out", d / "rows.json")
+               "--export", d / "w1.pt")
+    run_torchrun(OVERLAP, *OVERLAP_ARGS, "--batch-size", "4", "--export", d / "w2.pt",
+                 "--metrics-out", d / "m.json")
     return d
 
 
@@ -98,9 +130,12 @@ def test_every_variant_equals_one_process(overlap):
     # The model has a frozen parameter (pos), a buffer (feature_scale) and tied weights
     # (head.weight is embed.weight); each rank initialises with its own seed, so only the
     # wrappers' broadcast from rank 0 can make world 2 match world 1.
-    reference = load_export(overlap / "w1" / "naive.pt")
+    reference = load_export(overlap / "w1.pt")
+    exports = {r["tag"]: r["export"] for r in read_json(overlap / "m.json")["variants"]}
+    assert sorted(exports) == sorted(VARIANT_FILES)
     for name in VARIANT_FILES:
-        sd = load_export(overlap / "w2" / f"{name}.pt")
+        assert exports[name] == str(overlap / f"w2.{name}.pt")
+        sd = load_export(exports[name])
         assert_state_dicts_close(sd, reference, rtol=RTOL, atol=ATOL,
                                  msg=f"world 2 {name} vs world 1:")
         assert sd["head.weight"].data_ptr() == sd["embed.weight"].data_ptr(), \
@@ -108,14 +143,14 @@ def test_every_variant_equals_one_process(overlap):
 
 
 def test_collectives_skip_frozen_and_reduce_tied_once(overlap):
-    rows = read_json(overlap / "rows.json")
+    rows = read_json(overlap / "m.json")["variants"]
     assert {r["variant"] for r in rows} == {"naive", "flat", "overlap", "bucketed", "ddp"}
     for r in rows:
         assert set(r) >= {"variant", "bucket_cap_mb", "step_time_s", "exposed_comm_s",
                           "collectives"}
         assert (r["bucket_cap_mb"] is None) == (r["variant"] in ("naive", "flat", "overlap"))
     by = {(r["variant"], r["bucket_cap_mb"]): r for r in rows}
-    sd = load_export(overlap / "w1" / "naive.pt")
+    sd = load_export(overlap / "w1.pt")
     # Trainable tensors: everything in the state dict except the frozen `pos`, the buffer and
     # the second name of the tied tensor. A wrapper that reduced the tie twice or waited for the
     # frozen parameter would show a different count (or hang).
@@ -128,7 +163,8 @@ def test_collectives_skip_frozen_and_reduce_tied_once(overlap):
 
 
 def test_overlapped_allreduces_start_before_backward_ends(overlap):
-    by = {(r["variant"], r["bucket_cap_mb"]): r for r in read_json(overlap / "rows.json")}
+    rows = read_json(overlap / "m.json")["variants"]
+    by = {(r["variant"], r["bucket_cap_mb"]): r for r in rows}
     # Offsets are launch time minus the time backward() returned, on rank 0's clock.
     for key in (("overlap", None), ("bucketed", 0.01)):
         offsets = by[key]["launch_offsets_s"]
@@ -138,6 +174,11 @@ def test_overlapped_allreduces_start_before_backward_ends(overlap):
         assert all(t >= 0 for t in by[key]["launch_offsets_s"]), key
 
 
+def test_overlap_figure(overlap, tmp_path):
+    run_python(FIGURES, overlap / "m.json", "--out", tmp_path / "o.png")
+    assert (tmp_path / "o.png").stat().st_size > 10_000
+
+
 # --------------------------------------------------------------------------------------------------
 # Gradient compression
 
@@ -145,13 +186,13 @@ def test_overlapped_allreduces_start_before_backward_ends(overlap):
 @pytest.fixture(scope="module")
 def compression(tmp_path_factory):
     d = tmp_path_factory.mktemp("compression")
-    run_torchrun(COMPRESS, "--steps", "30", "--json-out", d / "rows.json",
-                 "--ef-check", d / "ef.pt")
+    run_torchrun(COMPRESS, "--steps", "30", "--metrics-out", d / "m.json",
+                 "--export", d / "w.pt")
     return d
 
 
 def test_fp16_bf16_hooks_track_uncompressed_training(compression):
-    rows = {r["method"]: r for r in read_json(compression / "rows.json")}
+    rows = {r["method"]: r for r in read_json(compression / "m.json")["methods"]}
     base = rows["none"]["losses"]
     decrease = base[0] - min(base)
     # Each step's gradient is rounded once to the narrow type (unit roundoff u = 2^-11 for fp16,
@@ -164,7 +205,7 @@ def test_fp16_bf16_hooks_track_uncompressed_training(compression):
 
 
 def test_powersgd_and_topk_compress_and_still_learn(compression):
-    rows = {r["method"]: r for r in read_json(compression / "rows.json")}
+    rows = {r["method"]: r for r in read_json(compression / "m.json")["methods"]}
     assert rows["none"]["compression_ratio"] == 1.0
     for method in ("powersgd", "topk"):
         r = rows[method]
@@ -176,8 +217,19 @@ def test_powersgd_and_topk_compress_and_still_learn(compression):
         assert drop > 0.5 * base_drop, (method, drop, base_drop)
 
 
-def test_error_feedback_conserves_the_gradient(compression):
-    check = torch.load(compression / "ef.pt", weights_only=True)
+def test_compression_exports_and_figure(compression, tmp_path):
+    m = read_json(compression / "m.json")
+    assert m["world_size"] == 2 and m["global_batch"] == 64 and len(m["losses"]) == 30
+    # One plain state dict per method; each loads strictly into the MLP it trained.
+    for r in m["methods"]:
+        assert r["export"] == str(compression / f"w.{r['method']}.pt")
+        MLP(256).load_state_dict(load_export(r["export"]), strict=True)
+    run_python(FIGURES, compression / "m.json", "--out", tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_error_feedback_conserves_the_gradient(mechanisms):
+    check = mechanisms["error_feedback"]
     assert check["sum_grads"], "the top-k hook saw no gradients"
     for name, total in check["sum_grads"].items():
         # Each step splits grad + residual exactly into (sent, new residual); the only error is
@@ -199,13 +251,13 @@ def async_run(tmp_path_factory):
     # 5 ms keeps it pushing all through the slow worker's steps (with 0 ms it could finish its 10
     # steps before the slow worker's first push on a busy machine, and show no staleness).
     run_torchrun(ASYNC, "--steps", "10", "--local-steps", "1", "--worker-delay-ms", "5", "20",
-                 "--export-dir", d, "--json-out", d / "run.json", nproc=3)
+                 "--export", d / "w.pt", "--metrics-out", d / "run.json", nproc=3)
     return d
 
 
 def test_local_sgd_with_h1_equals_synchronous_sgd(async_run):
-    assert_state_dicts_close(load_export(async_run / "local.pt"),
-                             load_export(async_run / "sync.pt"), rtol=RTOL, atol=ATOL,
+    assert_state_dicts_close(load_export(async_run / "w.local.pt"),
+                             load_export(async_run / "w.sync.pt"), rtol=RTOL, atol=ATOL,
                              msg="local SGD H=1 vs sync SGD:")
     run = read_json(async_run / "run.json")
     assert run["modes"]["local"]["allreduces"] == run["modes"]["sync"]["allreduces"] == 10
@@ -224,8 +276,8 @@ def test_parameter_server_measures_staleness(async_run):
 
 
 def test_profiler_traces_and_summary(tmp_path):
-    run_torchrun(PROFILE, "--trace-dir", tmp_path / "traces", "--json-out", tmp_path / "p.json",
-                 "--hidden", "128")
+    run_torchrun(PROFILE, "--trace-dir", tmp_path / "traces", "--metrics-out",
+                 tmp_path / "p.json", "--export", tmp_path / "p.pt", "--hidden", "128")
     summary = read_json(tmp_path / "p.json")
     for rank in range(2):
         trace = json.loads((tmp_path / "traces" / f"trace_rank{rank}.json").read_text())
@@ -240,6 +292,9 @@ def test_profiler_traces_and_summary(tmp_path):
     assert 0 < f < 1
     for n, bound in summary["amdahl_bound"].items():
         assert bound == pytest.approx(1 / (f + (1 - f) / int(n)))
+    # It trains (wait + warmup + active = 5 steps) and exports the plain MLP.
+    assert len(summary["losses"]) == 5 and summary["global_batch"] == 2 * 256
+    MLP(128).load_state_dict(load_export(tmp_path / "p.pt"), strict=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,20 +303,35 @@ def test_profiler_traces_and_summary(tmp_path):
 
 def test_data_loading_shards_and_memmap(tmp_path):
     run_torchrun(DATA, "--images", "64", "--epochs", "1", "--batch-size", "8", "--workers", "1",
-                 "--json-out", tmp_path / "rows.json", "--check-out", tmp_path / "check.pt")
-    check = torch.load(tmp_path / "check.pt", weights_only=True)
-    # The memory-mapped rows are exactly the decoded + resized images (uint8, bit for bit).
-    torch.testing.assert_close(check["memmap"], check["decoded"], rtol=0, atol=0)
+                 "--metrics-out", tmp_path / "m.json", "--cache-dir", tmp_path / "cache")
+    m = read_json(tmp_path / "m.json")
+    # The memory-mapped rows rank 0 wrote (kept under --cache-dir) are exactly the decoded +
+    # resized images (uint8, bit for bit), decoded here by the script's own functions, on one
+    # thread as the script runs them (on other thread counts the float interpolation that draws
+    # the synthetic images can round a pixel the other way, which changes the JPEG bytes).
+    lesson = load_module(DATA)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        jpegs, _ = lesson.synthetic_jpegs(64, 128, 0)  # --images 64, default --raw-size, --seed
+        decoded = lesson.preprocess(jpegs, 64)
+    finally:
+        torch.set_num_threads(threads)
+    memmap = torch.from_numpy(np.array(np.memmap(m["cache_file"], dtype=np.uint8, mode="r",
+                                                 shape=(64, 3, 64, 64))))
+    torch.testing.assert_close(memmap, decoded, rtol=0, atol=0)
     # DistributedSampler: the two ranks' shards are disjoint and cover the dataset.
-    seen = check["indices_per_rank"]
+    seen = m["indices_per_rank"]
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == list(range(64))
-    rows = read_json(tmp_path / "rows.json")
+    rows = m["settings"]
     assert [r["num_workers"] for r in rows] == [0, 1, 0, 1]
     for r in rows:
         assert 0 <= r["data_wait_fraction"] <= 1
         assert r["data_wait_fraction"] == pytest.approx(
             r["data_wait_s"] / (r["data_wait_s"] + r["compute_s"]))
+    run_python(FIGURES, tmp_path / "m.json", "--out", tmp_path / "d.png")
+    assert (tmp_path / "d.png").stat().st_size > 10_000
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,12 +353,14 @@ HANG_CASES = {
 }
 # The section's commands, run verbatim (so test_readmes.py does not run them again).
 HANG_COMMANDS = {
-    "mismatch": "torchrun --nproc_per_node=2 05-advanced/hang_debugging.py --bug mismatch  # exits 1",
-    "missing-rank": "torchrun --nproc_per_node=2 05-advanced/hang_debugging.py --bug missing-rank"
-                    "  # exits 1",
-    "shape": "torchrun --nproc_per_node=2 05-advanced/hang_debugging.py --bug shape  # exits 1",
-    "p2p-deadlock": "torchrun --nproc_per_node=2 05-advanced/hang_debugging.py --bug p2p-deadlock"
-                    "  # exits 1",
+    "mismatch": "torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/"
+                "hang_debugging.py --bug mismatch  # exits 1",
+    "missing-rank": "torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/"
+                    "hang_debugging.py --bug missing-rank  # exits 1",
+    "shape": "torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/"
+             "hang_debugging.py --bug shape  # exits 1",
+    "p2p-deadlock": "torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/"
+                    "hang_debugging.py --bug p2p-deadlock  # exits 1",
 }
 
 
@@ -307,3 +379,44 @@ def test_hang_bug_exits_with_its_message_within_timeout(bug):
     if bug in ("missing-rank", "p2p-deadlock"):
         # The stack dump shows where the waiting ranks are stuck.
         assert result.stderr.count(f"in bug_{bug.replace('-', '_')}") >= 2, result.describe()
+
+
+# --------------------------------------------------------------------------------------------------
+# README: the outputs that do not depend on the machine's speed are those of a fresh run
+
+ACCUM_DOC = "torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/" \
+            "gradient_accumulation.py"
+COMPRESS_DOC = "torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/" \
+               "gradient_compression.py --metrics-out runs/dp_compression.json && python " \
+               "05-advanced/c-data-parallel-techniques/figures/dp_figures.py " \
+               "runs/dp_compression.json"
+NUMBER = re.compile(r"\d+\.\d+")
+
+
+def quoted_output(command: str) -> list[str]:
+    """The lines of the ```text block that follows the ```bash block holding `command` (its
+    continuation lines joined) in the README."""
+    blocks = re.findall(r"^```bash\n(.*?)^```\n+```text\n(.*?)^```", README.read_text(),
+                        flags=re.S | re.M)
+    for commands, output in blocks:
+        if re.sub(r"\\\n\s*", "", commands).strip() == command:
+            return output.splitlines()
+    raise AssertionError(f"no quoted output after {command!r} in {README}")
+
+
+def assert_same_output(fresh: list[str], quoted: list[str], command: str) -> None:
+    """Line by line equal, except that a decimal number may differ by one in its fourth decimal
+    (another CPU's kernels sum in another order; the weights-equality tests bound the real
+    difference). Whole numbers (bytes, steps, calls) must be equal."""
+    assert len(fresh) == len(quoted), f"{command}\nfresh:\n" + "\n".join(fresh)
+    for f, q in zip(fresh, quoted):
+        assert NUMBER.sub("#", f) == NUMBER.sub("#", q), (command, f, q)
+        for a, b in zip(NUMBER.findall(f), NUMBER.findall(q)):
+            assert abs(float(a) - float(b)) <= 1.5e-4, (command, f, q)
+
+
+@pytest.mark.parametrize("command", [ACCUM_DOC, COMPRESS_DOC], ids=["accumulation", "compression"])
+def test_readme_outputs_are_those_of_a_fresh_run(command):
+    assert readme_mentions(README, command), f"not in {README}: {command}"
+    result = run_readme_command(command, timeout=240)
+    assert_same_output(result.stdout.splitlines(), quoted_output(command), command)

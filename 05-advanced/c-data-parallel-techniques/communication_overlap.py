@@ -1,0 +1,437 @@
+"""Data parallelism by hand, from naive to overlapped and bucketed, beside torch DDP.
+
+Launch (from the repository root):
+    torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/communication_overlap.py
+    torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/communication_overlap.py \\
+        --steps 30 --metrics-out runs/dp_overlap.json --export runs/dp_overlap.pt
+    torchrun --nproc_per_node=8 05-advanced/c-data-parallel-techniques/communication_overlap.py \\
+        --device cuda --dim 1024
+
+Five ways to average gradients, each training its own copy of the same model on the same data:
+
+    naive     backward ............|ar ar ar ar ar ar|      one blocking all-reduce per tensor
+    flat      backward ............|ar(all)|                one all-reduce of one flat buffer
+    overlap   backward ..ar.ar.ar.ar.ar|wait|               async all-reduce per tensor, launched
+                                                            from the tensor's grad hook
+    bucketed  backward ....ar(b0)....ar(b1)|wait|           async all-reduce per bucket of ~cap MB,
+                                                            launched when the bucket is full
+    ddp       torch DDP: buckets (bucket_cap_mb) + overlap, in C++
+
+Communication hidden behind the rest of backward costs nothing; what is left after backward
+(`exposed` time) is what overlap tries to remove. Buckets trade the latency of many small
+collectives against overlap: one huge bucket cannot start before backward ends.
+
+The variants train interleaved, step by step, so that a noisy neighbour on a shared machine slows
+all of them alike; the table compares each with a replica that trains without communicating.
+figures/dp_figures.py draws the --metrics-out JSON.
+"""
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dtcourse import cli, launch, report
+from dtcourse.data import rank_rows
+
+SCRIPT = "05-advanced/c-data-parallel-techniques/communication_overlap.py"
+VARIANTS = ("naive", "flat", "overlap", "bucketed", "ddp")
+
+
+# --------------------------------------------------------------------------------------------------
+# The model: tied weights, a frozen parameter and a buffer, the three cases a DP wrapper must get
+# right
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, h):  # h: (B, T, dim) -> (B, T, dim)
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+class TiedLM(nn.Module):
+    """Token embedding tied to the output head, a frozen positional table, residual MLP blocks."""
+
+    def __init__(self, vocab: int, dim: int, depth: int, seq: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        # Frozen: gets no gradient, so no data-parallel wrapper may wait for (or reduce) one.
+        self.pos = nn.Parameter(0.02 * torch.randn(seq, dim), requires_grad=False)
+        # A buffer (the role BatchNorm's running statistics play): state that is not a parameter
+        # but must be equal on every rank.
+        self.register_buffer("feature_scale", 1 + 0.1 * torch.randn(dim))
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: one tensor, used twice, one gradient
+
+    def forward(self, tokens):  # tokens: (B, T) -> logits (B, T, vocab)
+        h = (self.embed(tokens) + self.pos[: tokens.shape[1]]) * self.feature_scale
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def lm_batch(seed: int, step: int, size: int, seq: int, vocab: int):
+    """Step `step`'s global batch of token sequences; the target of each token is a fixed
+    permutation of it, so the task is learnable without attention."""
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed + 12345))
+    tokens = torch.randint(vocab, (size, seq),
+                           generator=torch.Generator().manual_seed(seed * 100003 + step))
+    return tokens, perm[tokens]
+
+
+# --------------------------------------------------------------------------------------------------
+# Hand-written data parallelism
+
+
+def broadcast_from_rank0(module: nn.Module) -> None:
+    """Make every replica start from rank 0's parameters and buffers (frozen ones included)."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor, src=0)
+
+
+def trainable_params(module: nn.Module) -> list:
+    """Parameters that receive gradients, each once: module.parameters() already yields a tied
+    tensor once; frozen ones are skipped (they never get a .grad to reduce)."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def sync_naive(params, world: int, log: list) -> None:
+    """(a) After backward: one blocking all-reduce per gradient tensor, one after the other."""
+    for p in params:
+        log.append(time.perf_counter())
+        dist.all_reduce(p.grad)  # sum over ranks, in place
+        p.grad.div_(world)
+
+
+def sync_flat(params, world: int, log: list) -> None:
+    """(b) After backward: copy every gradient into one flat buffer and all-reduce it once.
+    One collective instead of len(params): latency paid once, but nothing overlaps backward."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])  # (sum of numels,)
+    log.append(time.perf_counter())
+    dist.all_reduce(flat)
+    flat.div_(world)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+
+
+class DDPIndividualParameters(nn.Module):
+    """(c) Overlap: each gradient's all-reduce starts, asynchronously, the moment autograd has
+    finished accumulating it, while backward keeps computing the gradients of earlier layers.
+
+    Usage: out = model(x); loss.backward(); model.finish_gradient_synchronization(); opt.step()
+    Every trainable parameter must receive a gradient each step (DDP's default contract too).
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        broadcast_from_rank0(module)
+        self.world = dist.get_world_size()
+        self.pending = []  # (param, async work) of this step, in launch order
+        self.launch_times = []  # perf_counter() at each launch: proves they start during backward
+        for p in trainable_params(module):
+            p.register_post_accumulate_grad_hook(self._launch)
+
+    def _launch(self, p) -> None:
+        # Runs inside backward, once per tensor per backward (a tied tensor's two uses are summed
+        # by autograd before this hook fires). async_op: returns at once, gloo/NCCL works behind.
+        self.launch_times.append(time.perf_counter())
+        self.pending.append((p, dist.all_reduce(p.grad, async_op=True)))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every outstanding all-reduce and turn the sums into averages in .grad."""
+        for p, work in self.pending:
+            work.wait()
+            p.grad.div_(self.world)
+        self.pending.clear()
+
+
+class DDPBucketed(nn.Module):
+    """(d) Buckets: gradients grouped into ~bucket_size_mb flat buffers in reverse parameter order
+    (roughly the order backward produces them); a bucket's single async all-reduce starts as soon
+    as its last gradient is ready. Fewer, larger collectives than (c), still overlapped.
+
+    Usage as DDPIndividualParameters; every trainable parameter must get a gradient each step.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float):
+        super().__init__()
+        self.module = module
+        broadcast_from_rank0(module)
+        self.world = dist.get_world_size()
+        cap = bucket_size_mb * 2**20
+        self.buckets, filled = [[]], 0  # lists of parameters; a tensor over the cap gets its own
+        for p in reversed(trainable_params(module)):
+            size = p.numel() * p.element_size()
+            if self.buckets[-1] and filled + size > cap:
+                self.buckets.append([])
+                filled = 0
+            self.buckets[-1].append(p)
+            filled += size
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.ready = [0] * len(self.buckets)  # gradients ready so far this step, per bucket
+        self.pending = {}  # bucket index -> (flat buffer, async work)
+        self.launch_times = []
+        for p in trainable_params(module):
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, p) -> None:
+        # Collectives pair up by launch order, so every rank must fill its buckets in the same
+        # order: true for the same graph on the same kind of device (DDP goes further and, after
+        # step 1, rebuilds its buckets in the order rank 0 observed).
+        i = self.bucket_of[id(p)]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):  # the bucket is full: send it now
+            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+            self.launch_times.append(time.perf_counter())
+            self.pending[i] = (flat, dist.all_reduce(flat, async_op=True))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for each bucket, average, and copy the slices back into the parameters' .grad."""
+        for i, (flat, work) in sorted(self.pending.items()):
+            work.wait()
+            flat.div_(self.world)
+            offset = 0
+            for p in self.buckets[i]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        self.pending.clear()
+        self.ready = [0] * len(self.buckets)
+
+
+# --------------------------------------------------------------------------------------------------
+# The library call it all stands for
+
+
+def wrap_ddp(module: nn.Module, cap_mb: float, device, log: list) -> DDP:
+    """(e) torch DDP with the given bucket size, and a comm hook that only records launch times
+    (and does what DDP's default hook does: average, then all-reduce the bucket asynchronously)."""
+    ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=cap_mb)
+    world = dist.get_world_size()
+
+    def timed_allreduce(state, bucket):
+        log.append(time.perf_counter())
+        buffer = bucket.buffer().div_(world)
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    ddp.register_comm_hook(None, timed_allreduce)
+    return ddp
+
+
+# --------------------------------------------------------------------------------------------------
+# One variant's replica and its training step
+
+
+class Variant:
+    """One way of averaging gradients, with its own replica of the model and its optimizer.
+    `compute-only` never communicates: the replicas drift apart, it only times the compute."""
+
+    def __init__(self, name: str, cap_mb, args, d):
+        self.name, self.cap_mb, self.world = name, cap_mb, d.world_size
+        self.tag = name if cap_mb is None else f"{name}_{cap_mb:g}mb"
+        # Each rank initialises differently on purpose: only the wrappers' broadcast from rank 0
+        # makes the replicas equal (and equal to a one-process run with the same seed).
+        torch.manual_seed(args.seed + d.rank)
+        self.plain = TiedLM(args.vocab, args.dim, args.depth, args.seq).to(d.device)
+        self.launches = []  # perf_counter() at each collective launch of the current step
+        if name in ("naive", "flat"):
+            broadcast_from_rank0(self.plain)
+            self.model = self.plain
+        elif name == "overlap":
+            self.model = DDPIndividualParameters(self.plain)
+            self.launches = self.model.launch_times
+        elif name == "bucketed":
+            self.model = DDPBucketed(self.plain, cap_mb)
+            self.launches = self.model.launch_times
+        elif name == "ddp":
+            self.model = wrap_ddp(self.plain, cap_mb, d.device, self.launches)
+        else:
+            self.model = self.plain
+        self.params = trainable_params(self.plain)
+        self.opt = torch.optim.SGD(self.params, lr=args.lr)
+
+    def step(self, tokens, targets):
+        """Forward, backward, average the gradients this variant's way, SGD step. Returns this
+        rank's loss and the time backward() returned."""
+        self.launches.clear()
+        logits = self.model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        t_backward = time.perf_counter()
+        if self.name == "naive":
+            sync_naive(self.params, self.world, self.launches)
+        elif self.name == "flat":
+            sync_flat(self.params, self.world, self.launches)
+        elif self.name in ("overlap", "bucketed"):
+            self.model.finish_gradient_synchronization()
+        # ddp: its all-reduces were launched and waited for inside backward
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach(), t_backward
+
+
+# --------------------------------------------------------------------------------------------------
+# Measuring: every variant (and every bucket size) trained interleaved, step by step
+
+
+def build_variants(args, d) -> list:
+    variants = [Variant("compute-only", None, args, d)]
+    for name in args.variants:
+        caps = args.bucket_cap_mb if name in ("bucketed", "ddp") else [None]
+        variants += [Variant(name, cap, args, d) for cap in caps]
+    return variants
+
+
+def measure(args, d, variants) -> dict:
+    """Per variant tag: step times, collectives and launch offsets per step, and losses."""
+    records = {v.tag: {"times": [], "collectives": [], "offsets": [], "losses": []}
+               for v in variants}
+    for step in range(args.steps):
+        tokens, targets = lm_batch(args.seed, step, d.world_size * args.batch_size, args.seq,
+                                   args.vocab)
+        rows = rank_rows(d.rank, args.batch_size)
+        x, y = tokens[rows].to(d.device), targets[rows].to(d.device)
+        for v in variants:
+            rec = records[v.tag]
+            t0 = time.perf_counter()
+            loss, t_backward = v.step(x, y)
+            rec["times"].append(time.perf_counter() - t0)
+            rec["collectives"].append(len(v.launches))
+            # Launch times relative to the end of backward: negative = started during backward.
+            rec["offsets"].append([t - t_backward for t in v.launches])
+            rec["losses"].append(loss)
+    return records
+
+
+def rows_of(args, d, variants, records) -> tuple[list, float]:
+    """One row per variant (medians after --warmup), and the compute-only median step time."""
+    def median_time(tag):
+        return statistics.median(records[tag]["times"][args.warmup:])
+
+    compute = median_time("compute-only")
+    rows = []
+    for v in variants[1:]:
+        rec = records[v.tag]
+        losses = torch.stack(rec["losses"])
+        dist.all_reduce(losses)  # mean over the global batch, once for all steps
+        rows.append({
+            "variant": v.name, "bucket_cap_mb": v.cap_mb, "tag": v.tag,
+            "step_time_s": median_time(v.tag),
+            # What communication adds to a step that computes only (medians, same run).
+            "exposed_comm_s": median_time(v.tag) - compute,
+            "collectives": statistics.median(rec["collectives"][args.warmup:]),
+            "compute_step_time_s": compute,
+            "launch_offsets_s": rec["offsets"][-1],  # last step, rank 0's clock
+            "losses": (losses / d.world_size).tolist(),
+            "samples_per_s": d.world_size * args.batch_size / median_time(v.tag),
+        })
+    return rows, compute
+
+
+def print_table(rows, compute, world) -> None:
+    report.print0(f"compute only (no communication): {compute * 1e3:.1f} ms/step (median)")
+    report.print0(f"{'variant':<9} {'bucket MB':>9} {'step ms':>8} {'exposed comm ms':>16} "
+                  f"{'collectives':>11} {'first launch vs backward end ms':>32}")
+    for row in rows:
+        cap = "-" if row["bucket_cap_mb"] is None else f"{row['bucket_cap_mb']:g}"
+        first = min(row["launch_offsets_s"]) * 1e3 if row["launch_offsets_s"] else float("nan")
+        report.print0(f"{row['variant']:<9} {cap:>9} {row['step_time_s'] * 1e3:8.1f} "
+                      f"{row['exposed_comm_s'] * 1e3:16.1f} {row['collectives']:11g} "
+                      f"{first:+32.1f}")
+    naive = [r for r in rows if r["variant"] == "naive"]
+    best = min((r for r in rows if r["variant"] == "bucketed"), key=lambda r: r["step_time_s"],
+               default=None)
+    if naive and best:
+        report.print0(f"bucketed ({best['bucket_cap_mb']:g} MB) vs naive: "
+                      f"{naive[0]['step_time_s'] / best['step_time_s']:.2f}x faster per step "
+                      f"at world {world}")
+
+
+def run(args, d):
+    variants = build_variants(args, d)
+    grad_mb = sum(p.numel() * p.element_size() for p in variants[0].params) / 2**20
+    report.print0(f"world {d.world_size} | {len(variants[0].params)} gradient tensors, "
+                  f"{grad_mb:.2f} MB | {args.batch_size}x{args.seq} tokens per rank | "
+                  f"{args.steps} steps ({args.warmup} warm-up) per variant")
+    rows, compute = rows_of(args, d, variants, measure(args, d, variants))
+    print_table(rows, compute, d.world_size)
+    write_outputs(args, d, variants[1:], rows)
+
+
+# --------------------------------------------------------------------------------------------------
+# Outputs, arguments and launch
+
+
+def write_outputs(args, d, variants, rows) -> None:
+    """--export: one plain state dict per variant (PATH itself when there is one variant, else
+    PATH with the variant's tag before the suffix); --metrics-out: the rows, with the contract's
+    top-level fields taken from the first variant."""
+    several = len(variants) > 1
+    for v, row in zip(variants, rows):
+        row["export"] = None if args.export is None else str(
+            args.export.with_name(f"{args.export.stem}.{v.tag}{args.export.suffix}")
+            if several else args.export)
+        if d.rank == 0 and args.export:
+            report.save_state_dict(row["export"], v.plain.state_dict())
+    first = variants[0]
+    per_rank = report.gather(report.held_bytes(params=first.plain.parameters(),
+                                               optimizer=first.opt, device=d.device))
+    metrics = report.metrics(d, script=SCRIPT, strategy="ddp", steps=args.steps,
+                             global_batch=d.world_size * args.batch_size,
+                             losses=rows[0]["losses"], samples_per_s=rows[0]["samples_per_s"],
+                             per_rank=per_rank, variants=rows)
+    report.finish(args, metrics)
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p)
+    cli.add_train_args(p, steps=6, batch_size=4, lr=0.05, grad_accum=False,
+                       batch_help="sequences per rank per step")
+    cli.add_output_args(p)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=[0.25, 1.0, 4.0, 16.0],
+                   help="bucket sizes for `bucketed` and `ddp` (a sweep when several)")
+    p.add_argument("--warmup", type=int, default=1, help="first steps left out of the timings")
+    p.add_argument("--seq", type=int, default=16, help="tokens per sequence")
+    p.add_argument("--dim", type=int, default=192, help="model width")
+    p.add_argument("--depth", type=int, default=4, help="residual MLP blocks")
+    p.add_argument("--vocab", type=int, default=256)
+    args = p.parse_args(argv)
+    cli.check_positive(args, "steps", "batch_size", "seq", "dim", "depth", "vocab", "lr",
+                       "timeout_s")
+    if not 0 <= args.warmup < args.steps:
+        cli.fail(f"--warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
+    if min(args.bucket_cap_mb) <= 0:
+        cli.fail(f"--bucket-cap-mb must be positive, got {min(args.bucket_cap_mb)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with launch.distributed(args.device, args.timeout_s) as d:
+        run(args, d)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Profile data-parallel training with torch.profiler: one trace per rank, a compute vs
+communication table read back from the profile, and Amdahl's law on the measured fraction.
+
+Launch (from the repository root):
+    torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/profiling.py \\
+        --trace-dir runs/traces
+    torchrun --nproc_per_node=8 05-advanced/c-data-parallel-techniques/profiling.py \\
+        --device cuda --hidden 4096 --trace-dir runs/traces
+
+Then open runs/traces/trace_rank0.json in https://ui.perfetto.dev (or chrome://tracing): the
+labelled regions of each step and, under `allreduce`, gloo's (or NCCL's) all_reduce op.
+
+The profiler runs on a schedule so that start-up does not pollute the numbers:
+
+    step:   1      2        3 4 5
+            wait   warmup   active (recorded)        -> on_trace_ready writes trace_rank<r>.json
+
+Each step is labelled with record_function: data | forward | backward | allreduce | optimizer.
+Gradients are averaged by one explicit flat all-reduce after backward (no overlap), so the
+`allreduce` share is exactly the communication a step waits for: the serial part of Amdahl's law.
+"""
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+from dtcourse import cli, launch, report
+from dtcourse.data import classification_batch, rank_rows
+from dtcourse.models import MLP
+
+SCRIPT = "05-advanced/c-data-parallel-techniques/profiling.py"
+REGIONS = ("data", "forward", "backward", "allreduce", "optimizer")
+
+
+# --------------------------------------------------------------------------------------------------
+# A data-parallel step, each part labelled for the profiler
+
+
+@contextmanager
+def region(name: str, device: torch.device):
+    """A labelled range of the trace. On CUDA kernels run asynchronously: synchronising before the
+    range closes makes it last until its kernels have finished, not just until they were
+    launched (the previous range's synchronisation already left the GPU idle at its start)."""
+    with record_function(name):
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def average_gradients(model, world: int) -> None:
+    """One flat all-reduce of all gradients (communication_overlap.py shows bucketed and
+    overlapped versions); it includes waiting for the slower rank."""
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p in model.parameters():
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+
+
+def train_step(args, d, model, optimizer, step: int) -> torch.Tensor:
+    with region("data", d.device):
+        x_all, y_all = classification_batch(args.seed, step, d.world_size * args.batch_size)
+        rows = rank_rows(d.rank, args.batch_size)
+        x, y = x_all[rows].to(d.device), y_all[rows].to(d.device)
+    with region("forward", d.device):
+        loss = F.cross_entropy(model(x), y)
+    with region("backward", d.device):
+        loss.backward()
+    with region("allreduce", d.device):
+        average_gradients(model, d.world_size)
+    with region("optimizer", d.device):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def profiled_training(args, d, model, optimizer, trace_path):
+    """wait + warmup + active steps under the profiler; returns it and this rank's losses."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.device.type == "cuda"
+                                           else [])
+    losses = []
+    with profile(activities=activities,
+                 schedule=schedule(wait=args.wait, warmup=args.warmup, active=args.active,
+                                   repeat=1),
+                 on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace_path))) as prof:
+        for step in range(args.wait + args.warmup + args.active):
+            losses.append(train_step(args, d, model, optimizer, step))
+            prof.step()  # advances the schedule; marks "ProfilerStep#k" in the trace
+    return prof, losses
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading the profile back, and Amdahl's law
+
+
+def fractions_of(prof) -> tuple[float, dict, list]:
+    """(step time in us, share of each region, names of the communication ops) from the recorded
+    steps: ProfilerStep#k events are the whole steps, the labels nest inside them (key_averages
+    groups the steps as "ProfilerStep*"). Times: microseconds of CPU wall time, summed over the
+    active steps."""
+    totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
+    step_us = sum(t for k, t in totals.items() if k.startswith("ProfilerStep"))
+    fractions = {name: totals.get(name, 0.0) / step_us for name in REGIONS}
+    fractions["other"] = 1.0 - sum(fractions.values())  # profiler overhead, Python glue
+    comm_ops = sorted({k for k in totals if "all_reduce" in k or "allreduce" in k.lower()})
+    return step_us, fractions, comm_ops
+
+
+def amdahl(serial: float, n: int) -> float:
+    """Speedup bound on n ranks when a fraction `serial` of the step does not shrink with n."""
+    return 1.0 / (serial + (1.0 - serial) / n)
+
+
+def run(args, d):
+    torch.manual_seed(args.seed)
+    model = MLP(args.hidden).to(d.device)
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)  # start equal (DDP would do this)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    args.trace_dir.mkdir(parents=True, exist_ok=True)
+    trace_path = args.trace_dir / f"trace_rank{d.rank}.json"
+    prof, losses = profiled_training(args, d, model, optimizer, trace_path)
+
+    step_us, fractions, comm_ops = fractions_of(prof)
+    mine = report.held_bytes(params=model.parameters(), optimizer=optimizer, device=d.device)
+    per_rank = report.gather({**mine, "step_ms": step_us / args.active / 1e3,
+                              "fractions": fractions, "trace": str(trace_path)})
+    comm = sum(row["fractions"]["allreduce"] for row in per_rank) / d.world_size
+    bounds = {n: amdahl(comm, n) for n in (8, 64, 1024)}
+    print_table(args, d.world_size, per_rank, comm_ops, comm, bounds)
+
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)  # mean over the global batch, per step
+    steps = len(losses)
+    metrics = report.metrics(
+        d, script=SCRIPT, strategy="data parallel, one flat all-reduce", steps=steps,
+        global_batch=d.world_size * args.batch_size, losses=(losses / d.world_size).tolist(),
+        samples_per_s=d.world_size * args.batch_size / (step_us / args.active / 1e6),
+        per_rank=per_rank, active_steps=args.active, comm_fraction=comm, comm_ops=comm_ops,
+        amdahl_bound={str(n): b for n, b in bounds.items()})
+    report.finish(args, metrics, model.state_dict())
+
+
+def print_table(args, world, per_rank, comm_ops, comm, bounds) -> None:
+    report.print0(f"world {world} | {args.active} profiled steps per rank | traces in "
+                  f"{args.trace_dir}")
+    report.print0(f"{'rank':<5} {'step ms':>8} " + " ".join(f"{n:>9}"
+                                                            for n in (*REGIONS, "other")))
+    for r, row in enumerate(per_rank):
+        report.print0(f"{r:<5} {row['step_ms']:8.2f} " + " ".join(
+            f"{row['fractions'][n]:9.1%}" for n in (*REGIONS, "other")))
+    report.print0(f"communication ops seen in the profile: {', '.join(comm_ops)}")
+    limit = f"{1 / comm:.1f}x" if comm > 0 else "none"
+    report.print0(f"Amdahl: communication is {comm:.1%} of a step (mean over ranks); if it "
+                  f"stayed that long while the rest split n ways, the speedup is at most "
+                  + ", ".join(f"{b:.1f}x at {n}" for n, b in bounds.items())
+                  + f" (limit {limit})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments and launch
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p)
+    cli.add_output_args(p)
+    p.add_argument("--wait", type=int, default=1, help="profiler schedule: steps skipped")
+    p.add_argument("--warmup", type=int, default=1, help="profiler schedule: traced, discarded")
+    p.add_argument("--active", type=int, default=3, help="profiler schedule: steps recorded")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per rank per step")
+    p.add_argument("--hidden", type=int, default=512, help="width of the MLP")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    p.add_argument("--trace-dir", type=Path, default=Path("runs/traces"),
+                   help="each rank writes trace_rank<r>.json here")
+    args = p.parse_args(argv)
+    cli.check_positive(args, "active", "batch_size", "hidden", "lr", "timeout_s")
+    if args.wait < 0 or args.warmup < 0:
+        cli.fail(f"--wait and --warmup must be >= 0, got {args.wait} and {args.warmup}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with launch.distributed(args.device, args.timeout_s) as d:
+        run(args, d)
+
+
+if __name__ == "__main__":
+    main()
