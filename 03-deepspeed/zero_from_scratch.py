@@ -4,14 +4,7 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 03-deepspeed/zero_from_scratch.py              # stage 2, AdamW
     torchrun --nproc_per_node=3 03-deepspeed/zero_from_scratch.py --stage 1 --optimizer sgd
     python 03-deepspeed/zero_from_scratch.py                                   # 1 process
-
-Expected output (torchrun --nproc_per_node=2, 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
-    ShardedOptimizer stage 2 over adamw | world 2 | global batch 32
-    step   1/20 | loss 2.3060
-    step  10/20 | loss 2.2500
-    step  20/20 | loss 1.8534
-    rank 0: optimizer state 49,152 bytes (55% of the unsharded 89,168), 3 parameter tensors
-    rank 1: optimizer state 40,016 bytes (45% of the unsharded 89,168), 8 parameter tensors
+    torchrun --nproc_per_node=2 03-deepspeed/zero_from_scratch.py --device cuda  # NCCL
 
 The idea (Rajbhandari et al. 2020, "ZeRO", stages P_os and P_os+g): every rank keeps the whole
 model, but each parameter has ONE owner rank, and only the owner keeps optimizer state for it and
@@ -25,21 +18,22 @@ updates it. After the update the owner broadcasts the new values, so all replica
 Per rank: Adam state 8P/N instead of 8P (both stages); gradients kept P/N at stage 2 instead of P.
 Communication per step: stage 1 all-reduce (2P) + broadcasts (P); stage 2 reduce (P) + broadcasts
 (P). DeepSpeed does the same with flat buffers, buckets and reduce-scatter / all-gather.
+
+Set-up, metrics and export come from the course's shared module, dtcourse; the data is its
+classification_batch (lesson 01's task).
 """
 
-import argparse
-import gc
-import json
-import os
-import subprocess
-import sys
-from datetime import timedelta
-from pathlib import Path
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from dtcourse import cli, launch, report
+from dtcourse.data import classification_batch, rank_rows
+
+SCRIPT = "03-deepspeed/zero_from_scratch.py"
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -126,10 +120,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # is the same on all ranks, so ask the owners.
             for p, grad in self._reduced.items():
                 p.grad = grad
-            had_grad = torch.tensor([float(p in self._reduced) for g in self.param_groups
-                                     for p in g["params"]])
-            dist.all_reduce(had_grad, group=self.group)  # exactly one owner reports each one
             flat = [p for g in self.param_groups for p in g["params"]]
+            had_grad = torch.tensor([float(p in self._reduced) for p in flat],
+                                    device=flat[0].device)  # NCCL reduces device tensors only
+            dist.all_reduce(had_grad, group=self.group)  # exactly one owner reports each one
             stepped = [p for p, had in zip(flat, had_grad.tolist()) if had]
             self._reduced = {}
         # Hyper-parameters (an LR scheduler changes them on this object) flow to the inner groups.
@@ -147,8 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (Adam moments / momentum; 0-dim counters
         excluded)."""
-        return sum(v.numel() * v.element_size() for s in self.inner.state.values()
-                   for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+        return report.tensor_bytes(t for t in report.optimizer_tensors(self.inner) if t.dim() > 0)
 
     def state_dict(self):
         """This rank's shard only: save one file per rank (as DeepSpeed does)."""
@@ -162,55 +155,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 # --------------------------------------------------------------------------------------------------
-# Running it: the usual set-up, a model with a frozen and a tied parameter, deterministic data
-
-
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail
-    p.add_argument("--stage", type=int, choices=[1, 2], default=2)
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
-    p.add_argument("--metrics-out", type=Path, help="rank 0 writes the run's metrics JSON here")
-    p.add_argument("--export", type=Path, help="rank 0 writes the plain model state_dict here")
-    args = p.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.lr <= 0 or args.timeout_s <= 0:
-        fail("--steps and --batch-size must be >= 1, --lr and --timeout-s positive")
-    return args
-
-
-def init_distributed(timeout_s: float):
-    """(rank, world) with a gloo group started: under torchrun, srun, or alone (a group of one).
-    ShardedOptimizer works the same on NCCL with CUDA tensors; this demo trains on the CPU."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
-        if "MASTER_ADDR" not in env:
-            nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
-                                 text=True, check=False).stdout.split()
-            env["MASTER_ADDR"] = out[0] if out else nodes
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    timeout = timedelta(seconds=timeout_s)
-    if "RANK" in env:
-        dist.init_process_group("gloo", timeout=timeout)
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    return dist.get_rank(), dist.get_world_size()
+# A model with the cases a sharded optimizer must handle, and its param groups
 
 
 class TiedNet(nn.Module):
@@ -234,14 +179,6 @@ class TiedNet(nn.Module):
         return self.out(h)
 
 
-def global_batch(seed: int, step: int, size: int, features: int = 32, classes: int = 10):
-    """Global batch of step `step`, a pure function of (seed, step); labels from a fixed random
-    teacher. Rank r takes rows r*B..(r+1)*B-1 (as in 01-ddp-basics/ddp_training.py)."""
-    teacher = torch.randn(features, classes, generator=torch.Generator().manual_seed(seed + 12345))
-    x = torch.randn(size, features, generator=torch.Generator().manual_seed(seed * 100003 + step))
-    return x, (x @ teacher).argmax(dim=1)
-
-
 def param_groups(model):
     """Weight decay on matrices, none on biases: two groups, the second added later."""
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
@@ -252,62 +189,83 @@ def param_groups(model):
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {}), "sgd": (torch.optim.SGD, {"momentum": 0.9})}
 
 
+# --------------------------------------------------------------------------------------------------
+# Training with it
+
+
+def train(args, d):
+    torch.manual_seed(args.seed)
+    model = TiedNet().to(d.device)  # same seed on every rank: identical replicas, no broadcast
+    cls, extra = OPTIMIZERS[args.optimizer]
+    groups = param_groups(model)
+    opt = ShardedOptimizer(groups[:1], cls, stage=args.stage, lr=args.lr, **extra)
+    opt.add_param_group(groups[1])
+    global_bs = d.world_size * args.batch_size
+    report.print0(f"ShardedOptimizer stage {args.stage} over {args.optimizer} | world "
+                  f"{d.world_size} | global batch {global_bs}")
+    losses, held, t_start = [], None, None
+    for step in range(args.steps):
+        if step == 1:
+            t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
+        x, y = classification_batch(args.seed, step, global_bs)
+        rows = rank_rows(d.rank, args.batch_size)
+        loss = F.cross_entropy(model(x[rows].to(d.device)), y[rows].to(d.device))
+        loss.backward()  # stage 2: gradients leave for their owners during this call
+        opt.step()
+        if step == args.steps - 1:  # after the step: stage 2 holds its owned gradients only
+            held = report.held_bytes(params=model.parameters(), optimizer=opt.inner,
+                                     device=d.device)
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / d.world_size)
+        if (step + 1) % 10 == 0 or step == 0:
+            report.print0(f"step {step + 1:3d}/{args.steps} | loss {losses[-1]:.4f}")
+    elapsed = time.perf_counter() - t_start if t_start else float("nan")
+    samples_per_s = global_bs * (args.steps - 1) / elapsed if t_start else float("nan")
+    report_run(args, d, model, opt, losses, held, samples_per_s)
+
+
+def report_run(args, d, model, opt, losses, held, samples_per_s):
+    """Optimizer state per rank, next to what one unsharded optimizer would hold; metrics."""
+    whole = sum(2 * p.numel() * p.element_size() if args.optimizer == "adamw"
+                else p.numel() * p.element_size() for p in model.parameters()
+                if p.requires_grad)
+    owned = sum(len(g["params"]) for g in opt.inner.param_groups)
+    per_rank = report.gather({**held, "state_bytes": opt.state_bytes(), "owned_params": owned})
+    for r, info in enumerate(per_rank):
+        report.print0(f"rank {r}: optimizer state {info['state_bytes']:,} bytes "
+                      f"({info['state_bytes'] / whole:.0%} of the unsharded {whole:,}), "
+                      f"{info['owned_params']} parameter tensors")
+    metrics = report.metrics(d, script=SCRIPT, strategy=f"sharded-stage{args.stage}-"
+                             f"{args.optimizer}", steps=args.steps,
+                             global_batch=d.world_size * args.batch_size, losses=losses,
+                             samples_per_s=samples_per_s, per_rank=per_rank,
+                             unsharded_state_bytes=whole)
+    report.finish(args, metrics, model.state_dict())
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments and launch
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p)
+    cli.add_train_args(p, steps=20, batch_size=16, lr=1e-2, grad_accum=False,
+                       batch_help="samples per rank per step")
+    cli.add_output_args(p)
+    p.add_argument("--stage", type=int, choices=[1, 2], default=2)
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+    args = p.parse_args(argv)
+    cli.check_positive(args, "steps", "batch_size", "lr", "timeout_s")
+    return args
+
+
 def main(argv=None):
     args = parse_args(argv)
-    rank, world = init_distributed(args.timeout_s)
-    try:
-        torch.manual_seed(args.seed)
-        model = TiedNet()  # same seed on every rank: identical replicas, no broadcast needed
-        cls, extra = OPTIMIZERS[args.optimizer]
-        groups = param_groups(model)
-        opt = ShardedOptimizer(groups[:1], cls, stage=args.stage, lr=args.lr, **extra)
-        opt.add_param_group(groups[1])
-        global_bs = world * args.batch_size
-        if rank == 0:
-            print(f"ShardedOptimizer stage {args.stage} over {args.optimizer} | world {world} | "
-                  f"global batch {global_bs}", flush=True)
-        losses = []
-        for step in range(args.steps):
-            x, y = global_batch(args.seed, step, global_bs)
-            rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
-            loss = F.cross_entropy(model(x[rows]), y[rows])
-            loss.backward()  # stage 2: gradients leave for their owners during this call
-            opt.step()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
-            if rank == 0 and ((step + 1) % 10 == 0 or step == 0):
-                print(f"step {step + 1:3d}/{args.steps} | loss {losses[-1]:.4f}", flush=True)
-
-        # Optimizer state per rank, next to what one unsharded optimizer would hold.
-        whole = sum(2 * p.numel() * p.element_size() if args.optimizer == "adamw"
-                    else p.numel() * p.element_size() for p in model.parameters()
-                    if p.requires_grad)
-        per_rank = [None] * world
-        owned = sum(len(g["params"]) for g in opt.inner.param_groups)
-        dist.all_gather_object(per_rank, {"optim_bytes": opt.state_bytes(), "owned_params": owned})
-        if rank == 0:
-            for r, info in enumerate(per_rank):
-                print(f"rank {r}: optimizer state {info['optim_bytes']:,} bytes "
-                      f"({info['optim_bytes'] / whole:.0%} of the unsharded {whole:,}), "
-                      f"{info['owned_params']} parameter tensors", flush=True)
-            if args.export:
-                args.export.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
-                           args.export)
-            if args.metrics_out:
-                args.metrics_out.parent.mkdir(parents=True, exist_ok=True)
-                args.metrics_out.write_text(json.dumps({
-                    "script": "03-deepspeed/zero_from_scratch.py",
-                    "strategy": f"sharded-stage{args.stage}-{args.optimizer}",
-                    "world_size": world, "steps": args.steps, "global_batch": global_bs,
-                    "losses": losses, "unsharded_optim_bytes": whole, "per_rank": per_rank,
-                    "torch_version": torch.__version__}, indent=1))
-        dist.barrier()
-    finally:
-        gc.collect()  # free reference cycles holding the group while Python is alive
-        dist.destroy_process_group()
+    with launch.distributed(args.device, args.timeout_s) as d:
+        train(args, d)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,7 @@ Launch (from the repository root):
     python 03-deepspeed/zero_offload.py                          # 1 process
 
 For each config the script trains a few steps of the same MLP and lists the bytes of every kind
-of model state rank 0 holds and where it lives. Expected output (deepspeed --num_gpus 2; 2-core
-AMD EPYC CPU (shared), torch 2.14.1, deepspeed 0.19.8, gloo; abridged, the README has it all):
-                                   zero2     zero2_offload         zero3     zero3_offload
-    weights (working copy)  1,052,672 device  1,052,672 device  526,336 device  526,336 host
-    gradient partition        526,336 device          0 device  526,336 device  526,336 device
-    fp32 master partition     526,336 device    526,336 host    526,336 device  526,336 host
-    fp32 gradient of master         0 device    526,336 host          0 device  526,336 host
-    Adam moments            1,052,672 device  1,052,672 host  1,052,672 device 1,052,672 host
-    total on device         3,158,016         1,052,672       2,631,680          526,336
-    total on host                   0         2,105,344               0        2,631,680
+of model state rank 0 holds and where it lives (the README shows a run).
 
 What offload moves (DeepSpeed's "ZeRO-Offload", Ren et al. 2021, and "ZeRO-Infinity", 2021):
     offload_optimizer (stage 1-3): the fp32 master partition, its fp32 gradient partition and the
@@ -27,16 +18,13 @@ What offload moves (DeepSpeed's "ZeRO-Offload", Ren et al. 2021, and "ZeRO-Infin
         full parameters are all-gathered onto the device just in time, as stage 3 always does.
     device "nvme" (ZeRO-Infinity): the same tensors go to files under nvme_path, swapped in and
         out through DeepSpeed's async I/O op (libaio); see configs/zero3_nvme_offload_config.json.
+
+Set-up, metrics and export come from the course's shared module, dtcourse.
 """
 
 import argparse
-import gc
 import json
-import logging
-import os
-import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -44,68 +32,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtcourse import cli, launch, report
+
+SCRIPT = "03-deepspeed/zero_offload.py"
 HERE = Path(__file__).resolve().parent
 CONFIGS = ["zero2_config", "zero2_offload_config", "zero3_config", "zero3_offload_config"]
 
 
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail
-    p.add_argument("--configs", nargs="+", default=CONFIGS,
-                   help="config names in 03-deepspeed/configs/ (or paths)")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per config")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
-    p.add_argument("--layers", type=int, default=4, help="Linear layers of the MLP")
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--estimate-params", type=float, default=1.5e9,
-                   help="also print DeepSpeed's estimator tables for a model this size")
-    p.add_argument("--estimate-largest-layer", type=float, default=8.0e7,
-                   help="its largest layer (default: GPT-2 XL's 50257 x 1600 embedding)")
-    p.add_argument("--timeout-s", type=float, default=120, help="collective timeout")
-    p.add_argument("--json-out", type=Path, help="rank 0 writes the measurements here")
-    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if min(args.steps, args.batch_size, args.layers, args.width) < 1:
-        fail("--steps, --batch-size, --layers and --width must be at least 1")
-    args.config_paths = []
-    for name in args.configs:
-        path = Path(name) if name.endswith(".json") else HERE / "configs" / f"{name}.json"
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            fail(f"config {path}: {exc}")
-        stage = config.get("zero_optimization", {}).get("stage", 0)
-        if stage not in (1, 2, 3):
-            fail(f"{path}: offload needs ZeRO stage 1, 2 or 3, got zero_optimization.stage "
-                 f"{stage!r}")
-        if "nvme" in json.dumps(config.get("zero_optimization", {})):
-            fail(f"{path}: NVMe offload is not measured by this script (see the README)")
-        args.config_paths.append((path, config))
-    return args
-
-
-def init_distributed(timeout_s: float):
-    """(rank, world, deepspeed) on the device DeepSpeed detects; see deepspeed_train.py."""
-    env = os.environ
-    import deepspeed
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if "RANK" not in env:  # plain `python`: a group of one
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size(), deepspeed
+# --------------------------------------------------------------------------------------------------
+# The model and its data: a stack of width x width layers, so that every layer is the same size
 
 
 def build_mlp(layers: int, width: int) -> nn.Module:
@@ -114,15 +49,16 @@ def build_mlp(layers: int, width: int) -> nn.Module:
                            for _ in range(layers)])
 
 
-def batch(step: int, size: int, width: int):
-    """Regression onto a fixed random linear teacher; a pure function of the step."""
-    teacher = torch.randn(width, width, generator=torch.Generator().manual_seed(12345)) / width**.5
-    x = torch.randn(size, width, generator=torch.Generator().manual_seed(step))
+def batch(seed: int, step: int, size: int, width: int):
+    """Regression onto a fixed random linear teacher; a pure function of (seed, step)."""
+    teacher = torch.randn(width, width, generator=torch.Generator().manual_seed(seed + 12345)) \
+        / width**.5
+    x = torch.randn(size, width, generator=torch.Generator().manual_seed(seed * 100003 + step))
     return x, x @ teacher
 
 
-def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+# --------------------------------------------------------------------------------------------------
+# Where every kind of model state lives
 
 
 def where_is_everything(engine, config) -> dict:
@@ -146,94 +82,128 @@ def where_is_everything(engine, config) -> dict:
         master = list(zero.single_partition_of_fp32_groups)
         weights, weights_home = list(zero.bit16_groups_flat), "device"
         grads = [t for ts in (zero.averaged_gradients or {}).values() for t in (ts or [])]
-    moments = [v for s in adam.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    moments = [t for t in report.optimizer_tensors(adam) if t.dim()]  # not the step counters
     return {
-        "weights (working copy)": (nbytes(weights), weights_home),
-        "gradient partition": (nbytes(grads), "device"),
-        "fp32 master partition": (nbytes(master), opt_home),
-        "fp32 gradient of master": (nbytes([m.grad for m in master]), opt_home),
-        "Adam moments": (nbytes(moments), opt_home),
+        "weights (working copy)": (report.tensor_bytes(weights), weights_home),
+        "gradient partition": (report.tensor_bytes(grads), "device"),
+        "fp32 master partition": (report.tensor_bytes(master), opt_home),
+        "fp32 gradient of master": (report.tensor_bytes([m.grad for m in master]), opt_home),
+        "Adam moments": (report.tensor_bytes(moments), opt_home),
     }
 
 
-def train_one(path, config, args, rank, world, deepspeed):
-    """A few steps of one config; returns this rank's measurements."""
+def metrics_bytes(census: dict) -> dict:
+    """The census in the per_rank terms of every script's metrics."""
+    b = {kind: nbytes for kind, (nbytes, _) in census.items()}
+    return {"param_bytes": b["weights (working copy)"],
+            "grad_bytes": b["gradient partition"] + b["fp32 gradient of master"],
+            "optim_bytes": b["fp32 master partition"] + b["Adam moments"],
+            "host_bytes": sum(nbytes for nbytes, home in census.values() if home == "host")}
+
+
+# --------------------------------------------------------------------------------------------------
+# A few steps of each config
+
+
+def train_one(path: Path, config: dict, args, d, deepspeed) -> dict:
+    """A few steps of one config; returns this rank's measurements (and exports on rank 0)."""
+    precision = "bf16" if d.device.type == "cuda" else "fp32"  # fp32 on CPU, as deepspeed_train
     config = {**config, "train_micro_batch_size_per_gpu": args.batch_size,
-              "gradient_accumulation_steps": 1, "train_batch_size": args.batch_size * world,
-              "bf16": {"enabled": torch.cuda.is_available()}}  # fp32 on CPU, as deepspeed_train
+              "gradient_accumulation_steps": 1, "train_batch_size": args.batch_size * d.world_size,
+              "bf16": {"enabled": precision == "bf16"}}
     config.pop("scheduler", None)
     stage = config["zero_optimization"]["stage"]
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     with deepspeed.zero.Init(config_dict_or_path=config, enabled=stage == 3):
         model = build_mlp(args.layers, args.width)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
-    device = engine.device
-    t0, census, loss = None, None, None
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    t0, census, losses = None, None, []
     for step in range(args.steps):
         if step == 1:
             t0 = time.perf_counter()
-        x, y = batch(step, args.batch_size * world, args.width)
-        rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
-        dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
-        out = engine(x[rows].to(device, dtype))
-        loss = F.mse_loss(out.float(), y[rows].to(device))
+        x, y = batch(args.seed, step, args.batch_size * d.world_size, args.width)
+        rows = slice(d.rank * args.batch_size, (d.rank + 1) * args.batch_size)
+        out = engine(x[rows].to(d.device, dtype))
+        loss = F.mse_loss(out.float(), y[rows].to(d.device))
         engine.backward(loss)
         if step == args.steps - 1:  # gradients complete, not yet consumed by the step
             census = where_is_everything(engine, config)
         engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # the loss over the global batch
+        losses.append(mean.item() / d.world_size)
     step_s = (time.perf_counter() - t0) / (args.steps - 1) if t0 else float("nan")
+    if args.export:
+        export(engine, model, deepspeed, args, path.stem, d)
     engine.destroy()
-    return {"config": path.stem, "stage": stage, "census": census, "step_s": step_s,
-            "loss": loss.item()}
+    return {"config": path.stem, "stage": stage, "precision": precision, "census": census,
+            "step_s": step_s, "losses": losses}
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rank, world, deepspeed = init_distributed(args.timeout_s)
-    try:
-        run(args, rank, world, deepspeed)
-    finally:
-        gc.collect()  # DeepSpeed's engines sit in reference cycles holding process groups
-        dist.destroy_process_group()
+def export(engine, model, deepspeed, args, name: str, d) -> None:
+    """The consolidated fp32 weights (stage 3: an all-gather per parameter, on every rank);
+    rank 0 writes one file per config: PATH with the config's name before the suffix."""
+    state = {k: deepspeed.utils.safe_get_full_fp32_param(p).float().cpu()
+             for k, p in model.state_dict(keep_vars=True).items()}
+    several = len(args.config_paths) > 1
+    if d.rank == 0:
+        report.save_state_dict(args.export.with_suffix(f".{name}{args.export.suffix}")
+                               if several else args.export, state)
 
 
-def run(args, rank, world, deepspeed):
-    from deepspeed.runtime.zero.stage3 import (
-        estimate_zero3_model_states_mem_needs,
-        estimate_zero3_model_states_mem_needs_all_cold,
-    )
-    from deepspeed.runtime.zero.stage_1_and_2 import (
-        estimate_zero2_model_states_mem_needs,
-        estimate_zero2_model_states_mem_needs_all_cold,
-    )
+def estimate(n_params: int, largest: int, world: int, config: dict, stage: int) -> tuple:
+    """DeepSpeed's estimator for this config (it assumes 16-bit weights and gradients)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    zero_cfg = config["zero_optimization"]
+    offload_opt = (zero_cfg.get("offload_optimizer") or {}).get("device") == "cpu"
+    offload_param = (zero_cfg.get("offload_param") or {}).get("device") == "cpu"
+    if stage == 3:
+        host, device, _ = estimate_zero3_model_states_mem_needs(
+            n_params, largest, num_gpus_per_node=world, cpu_offload=offload_opt,
+            cpu_offload_params=offload_param)
+    else:
+        host, device = estimate_zero2_model_states_mem_needs(
+            n_params, num_gpus_per_node=world, cpu_offload=offload_opt)
+    return device, host
 
+
+def run(args, d, deepspeed) -> None:
     n_params = sum(p.numel() for p in build_mlp(args.layers, args.width).parameters())
     largest = args.width * args.width + args.width
     results = []
     for path, config in args.config_paths:
-        mine = train_one(path, config, args, rank, world, deepspeed)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine)
-        zero_cfg = config["zero_optimization"]
-        offload_opt = (zero_cfg.get("offload_optimizer") or {}).get("device") == "cpu"
-        offload_param = (zero_cfg.get("offload_param") or {}).get("device") == "cpu"
-        # DeepSpeed's estimator (it assumes 16-bit weights and gradients; see the README).
-        if mine["stage"] == 3:
-            est_host, est_device, _ = estimate_zero3_model_states_mem_needs(
-                n_params, largest, num_gpus_per_node=world, cpu_offload=offload_opt,
-                cpu_offload_params=offload_param)
-        else:
-            est_host, est_device = estimate_zero2_model_states_mem_needs(
-                n_params, num_gpus_per_node=world, cpu_offload=offload_opt)
-        results.append({**mine, "per_rank": [e["census"] for e in everyone],
+        mine = train_one(path, config, args, d, deepspeed)
+        est_device, est_host = estimate(n_params, largest, d.world_size, config, mine["stage"])
+        held = {**metrics_bytes(mine["census"]), "peak_bytes": report.peak_bytes(d.device),
+                "census": mine["census"]}
+        results.append({**mine, "per_rank": report.gather(held),
                         "estimate_device_bytes": est_device, "estimate_host_bytes": est_host})
+    if d.rank == 0:
+        print_table(args, d, n_params, results)
+        print_estimator(args, d.world_size)
+    runs = {r["config"]: report.metrics(
+        d, script=SCRIPT, strategy=r["config"].removesuffix("_config"), steps=args.steps,
+        global_batch=args.batch_size * d.world_size, losses=r["losses"],
+        samples_per_s=args.batch_size * d.world_size / r["step_s"],
+        per_rank=r["per_rank"],        precision=r["precision"], zero_stage=r["stage"],
+        estimate_device_bytes=r["estimate_device_bytes"],
+        estimate_host_bytes=r["estimate_host_bytes"]) for r in results}
+    report.finish(args, {"script": SCRIPT, "world_size": d.world_size, "n_params": n_params,
+                         "largest_layer_params": largest, "deepspeed_version":
+                         deepspeed.__version__, "runs": runs})
 
-    if rank != 0:
-        return
+
+# --------------------------------------------------------------------------------------------------
+# The printed tables
+
+
+def print_table(args, d, n_params: int, results: list) -> None:
     print(f"MLP {args.layers} x Linear({args.width}, {args.width}): P = {n_params:,} parameters "
-          f"| world {world} | fp32 on {'cuda' if torch.cuda.is_available() else 'cpu'} | bytes "
-          "held by rank 0 after the last backward", flush=True)
+          f"| world {d.world_size} | {results[0]['precision']} on {d.device.type} | bytes held by "
+          "rank 0 after the last backward", flush=True)
     kinds = list(results[0]["census"])
     print(f"{'':26}" + "".join(f"{r['config'].replace('_config', ''):>18}" for r in results))
     for kind in kinds:
@@ -247,8 +217,13 @@ def run(args, rank, world, deepspeed):
                        ("DeepSpeed estimate host", "estimate_host_bytes")):
         print(f"{label:26}" + "".join(f"{r[key]:>11,}{'':7}" for r in results))
     print(f"{'seconds per step':26}" + "".join(f"{r['step_s']:>11.3f}{'':7}" for r in results))
-    print(f"{'final loss':26}" + "".join(f"{r['loss']:>11.5f}{'':7}" for r in results), flush=True)
+    print(f"{'final loss':26}" + "".join(f"{r['losses'][-1]:>11.5f}{'':7}" for r in results),
+          flush=True)
 
+
+def print_estimator(args, world: int) -> None:
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
     print(f"\nDeepSpeed's estimator for a {args.estimate_params / 1e9:g}B-parameter model on "
           f"{world} GPU(s):", flush=True)
     estimate_zero2_model_states_mem_needs_all_cold(int(args.estimate_params),
@@ -256,12 +231,51 @@ def run(args, rank, world, deepspeed):
     estimate_zero3_model_states_mem_needs_all_cold(int(args.estimate_params),
                                                    int(args.estimate_largest_layer),
                                                    num_gpus_per_node=world)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps({
-            "script": "03-deepspeed/zero_offload.py", "world_size": world, "n_params": n_params,
-            "largest_layer_params": largest, "results": results,
-            "deepspeed_version": deepspeed.__version__}, indent=1))
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments and launch
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p)
+    cli.add_output_args(p)
+    p.add_argument("--configs", nargs="+", default=CONFIGS,
+                   help="config names in 03-deepspeed/configs/ (or paths)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per config")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
+    p.add_argument("--layers", type=int, default=4, help="Linear layers of the MLP")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--estimate-params", type=float, default=1.5e9,
+                   help="also print DeepSpeed's estimator tables for a model this size")
+    p.add_argument("--estimate-largest-layer", type=float, default=8.0e7,
+                   help="its largest layer (default: GPT-2 XL's 50257 x 1600 embedding)")
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    cli.check_positive(args, "steps", "batch_size", "layers", "width", "timeout_s")
+    args.config_paths = []
+    for name in args.configs:
+        path = Path(name) if name.endswith(".json") else HERE / "configs" / f"{name}.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            cli.fail(f"config {path}: {exc}")
+        stage = config.get("zero_optimization", {}).get("stage", 0)
+        if stage not in (1, 2, 3):
+            cli.fail(f"{path}: offload needs ZeRO stage 1, 2 or 3, got zero_optimization.stage "
+                     f"{stage!r}")
+        if "nvme" in json.dumps(config.get("zero_optimization", {})):
+            cli.fail(f"{path}: NVMe offload is not measured by this script (see the README)")
+        args.config_paths.append((path, config))
+    return args
+
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with launch.distributed(args.device, args.timeout_s) as d:
+        run(args, d, launch.start_deepspeed(d))
 
 
 if __name__ == "__main__":

@@ -281,11 +281,20 @@ def distributed(device: str = "auto", timeout_s: float = 120.0):
         teardown()
 
 
-def import_deepspeed(device: torch.device):
-    """Import DeepSpeed for `device`: it picks its accelerator (CUDA, or CPU with gloo) on first
-    import, so say which before that; keep its INFO logging (the config dump) quiet."""
+def start_deepspeed(d: Dist):
+    """Import DeepSpeed for the chosen device and let it adopt the group `setup` started.
+
+    DeepSpeed picks its accelerator (CUDA, or CPU with gloo) when first imported, so it is told
+    which first; it reads RANK / LOCAL_RANK / WORLD_SIZE from the environment (zero.Init does even
+    when disabled), which a group of one (plain `python`) did not need until now. Its INFO
+    logging (the config dump) is kept quiet.
+    """
     import logging
-    os.environ.setdefault("DS_ACCELERATOR", device.type)
+    for name, value in (("RANK", d.rank), ("LOCAL_RANK", d.local_rank),
+                        ("WORLD_SIZE", d.world_size)):
+        os.environ.setdefault(name, str(value))
+    os.environ.setdefault("DS_ACCELERATOR", d.device.type)
     import deepspeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend=d.backend)  # an existing group is adopted as it is
     return deepspeed

@@ -11,7 +11,7 @@
 
 Cost: each 2-rank `deepspeed` launch is ~15 CPU seconds (launcher + two interpreters importing
 torch and deepspeed), so every launch is shared through module-scoped fixtures, and the runs are
-short (8 optimizer steps of a 106k-parameter GPT).
+short (8 optimizer steps of the course's 110k-parameter GPT).
 """
 
 import importlib.util
@@ -21,6 +21,8 @@ import shutil
 
 import pytest
 import torch
+from dtcourse.models import GPT
+
 from conftest import (
     REPO,
     assert_bad_input,
@@ -55,17 +57,10 @@ LAYOUT_TOL = {"rtol": 1e-5, "atol": 1e-6}
 OFFLOAD_TOL = {"rtol": 1e-5, "atol": 2e-6}
 
 
-def load_lesson_module(name):
-    """Import a lesson script as a module (its main() is not run) to build its plain model."""
-    spec = importlib.util.spec_from_file_location(name, LESSON / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def train_module():
-    return load_lesson_module("deepspeed_train")
+def plain_gpt() -> GPT:
+    """The shared GPT at deepspeed_train.py's default shape (--vocab 64 --seq-len 32 --dim 64
+    --heads 4 --layers 2), without DeepSpeed: what an exported state dict must load into."""
+    return GPT(vocab=64, seq_len=32, dim=64, heads=4, layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +115,8 @@ def test_bad_config_fails_on_every_rank_under_the_launcher(tmp_path):
 # Equivalence: every stage, every layout, computes what one process computes
 
 
-def test_reference_export_loads_into_the_plain_model(reference, train_module):
-    model = train_module.GPT()
-    model.load_state_dict(reference["export"], strict=True)
+def test_reference_export_loads_into_the_plain_model(reference):
+    plain_gpt().load_state_dict(reference["export"], strict=True)
     losses = reference["metrics"]["losses"]
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
     assert reference["metrics"]["world_size"] == 1 and reference["metrics"]["global_batch"] == 8
@@ -156,7 +150,7 @@ def test_offload_equals_its_stage(stage, runs):
                              **OFFLOAD_TOL, msg=f"zero{stage} offload vs zero{stage}:")
 
 
-def test_resume_from_checkpoint_is_bitwise_and_converts_to_fp32(runs, train_module, tmp_path):
+def test_resume_from_checkpoint_is_bitwise_and_converts_to_fp32(runs, tmp_path):
     """Resume the stage-3 run from its step-4 checkpoint, under torchrun this time, and export
     through DeepSpeed's zero_to_fp32 conversion of the final checkpoint."""
     full = runs("zero3_config")
@@ -175,19 +169,19 @@ def test_resume_from_checkpoint_is_bitwise_and_converts_to_fp32(runs, train_modu
     assert resumed["losses"] == full["metrics"]["losses"][STEPS // 2:]  # bitwise
     export = load_export(tmp_path / "model.pt")
     assert_state_dicts_equal(export, full["export"], msg="resumed + zero_to_fp32 vs full run:")
-    train_module.GPT().load_state_dict(export, strict=True)
+    plain_gpt().load_state_dict(export, strict=True)
 
 
 # --------------------------------------------------------------------------------------------------
 # Memory: the bytes each rank holds, against the ZeRO formulas (fp32: 4 bytes per element)
 
 
-def test_per_rank_bytes_follow_the_zero_formulas(runs, train_module):
+def test_per_rank_bytes_follow_the_zero_formulas(runs):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    model = train_module.GPT()
-    params = list(model.parameters())  # the tied embedding / output weight once
+    model = plain_gpt()
+    params = list(model.parameters())
     P, N = sum(p.numel() for p in params), WORLD
     biggest = max(p.numel() for p in params)
     largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False))

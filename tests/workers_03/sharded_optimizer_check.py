@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dtcourse import launch, report
+from dtcourse.data import classification_batch
+
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("zero_from_scratch",
                                               REPO / "03-deepspeed" / "zero_from_scratch.py")
@@ -28,14 +31,15 @@ STEPS, GLOBAL_BATCH, LR = 4, 12, 1e-2  # 12 rows split evenly over 2 or 3 ranks
 
 
 def state_bytes(optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if torch.is_tensor(v) and v.dim() > 0)
+    """Bytes of the optimizer's state tensors, 0-dim step counters excluded (as
+    ShardedOptimizer.state_bytes counts them)."""
+    return report.tensor_bytes(t for t in report.optimizer_tensors(optimizer) if t.dim() > 0)
 
 
 def train(model, optimizer, rows: slice, forward=None):
     forward = forward or model
     for step in range(STEPS):
-        x, y = zfs.global_batch(0, step, GLOBAL_BATCH)
+        x, y = classification_batch(0, step, GLOBAL_BATCH)
         x, y = x[rows], y[rows]
         half = len(x) // 2
         for part in (slice(0, half), slice(half, None)):  # two micro-steps per optimizer step
@@ -47,7 +51,11 @@ def train(model, optimizer, rows: slice, forward=None):
 
 def main():
     out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+    with launch.distributed("cpu"):
+        check(out)
+
+
+def check(out: Path):
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
 
@@ -84,7 +92,6 @@ def main():
         torch.save({"world": world, "results": results, "per_rank_bytes": gathered,
                     "plain_bytes": plain_bytes}, out)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
