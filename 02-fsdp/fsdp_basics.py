@@ -7,19 +7,6 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 02-fsdp/fsdp_basics.py --strategy no-shard   # NO_SHARD
     torchrun --nproc_per_node=4 02-fsdp/fsdp_basics.py --strategy hybrid --shard-size 2
 
-Expected output (the first command; 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo; the full
-output, and the other strategies, in 02-fsdp/README.md):
-    parameter  placements                   global    local shard on each rank
-    2.weight   (Shard(dim=0),)              (25, 30)  r0 (13, 30)  r1 (12, 30)
-    ...
-      rank 0: params  3,152 B  grads  3,152 B  optimizer  6,328 B  = 12,632 B
-      rank 1: params  3,028 B  grads  3,028 B  optimizer  6,080 B  = 12,136 B
-    ...
-      forward  all-gather     float32   2,040 B  unit 0
-      ...
-      backward reduce-scatter float32   2,040 B  unit 0
-      per step: all-gather 12,608 B, reduce-scatter 6,304 B; DDP would all-reduce 6,180 B once
-
 FSDP1's ShardingStrategy names and their FSDP2 spelling:
     FULL_SHARD     fully_shard(m, reshard_after_forward=True) on a 1-D mesh (N,): params, grads and
                    optimizer state sharded; params all-gathered for forward AND again for backward.
@@ -35,183 +22,135 @@ One training step under FULL_SHARD, per FSDP unit (here: each Linear, then the r
     backward  all-gather again -> compute grads -> reduce-scatter: each rank gets the average
               gradient of its own shard -> free the full params and full grads
     optimizer updates only the local shards (its state is sharded the same way)
+
+The output, for every strategy, is in 02-fsdp/README.md.
 """
 
-import argparse
-import gc
 import math
-import os
-import sys
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from dtcourse import cli, launch, report
+from dtcourse.comm import CollectiveCounter
+from dtcourse.data import rank_rows
 
 try:  # public since torch 2.6; torch.distributed._composable.fsdp before
     from torch.distributed.fsdp import fully_shard
 except ImportError:
     from torch.distributed._composable.fsdp import fully_shard
 
+SCRIPT = "02-fsdp/fsdp_basics.py"
 FSDP1_NAMES = {"full": "FULL_SHARD", "grad-op": "SHARD_GRAD_OP", "no-shard": "NO_SHARD",
                "hybrid": "HYBRID_SHARD"}
 SIZES = (16, 30, 25, 10)  # layer widths: 25 rows split unevenly over 2 ranks, 30, 25, 10 over 4
 
 
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK")
-    print(f"{f'[rank {rank}] ' if rank else ''}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
+# --------------------------------------------------------------------------------------------------
+# The mesh, the sharding, and one step
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail
-    p.add_argument("--strategy", choices=list(FSDP1_NAMES), default="full")
-    p.add_argument("--shard-size", type=int, default=2, help="hybrid: ranks per shard group")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per rank")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--timeout-s", type=float, default=60, help="collective timeout")
-    p.add_argument("--json-out", type=Path, help="rank 0 writes placements, bytes, collectives")
-    args = p.parse_args(argv)
-    if args.batch_size < 1 or args.shard_size < 1 or args.timeout_s <= 0:
-        fail("--batch-size and --shard-size must be at least 1, --timeout-s positive")
-    return args
+def build_mesh(strategy: str, shard_group: int, d):
+    """1-D (N,) shards over every rank; 2-D (replicas, shard) for no-shard and hybrid."""
+    if strategy in ("full", "grad-op"):
+        return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(d.device.type, (d.world_size // shard_group, shard_group),
+                            mesh_dim_names=("replicate", "shard"))
 
 
-def init_distributed(device_arg: str, timeout_s: float):
-    """torchrun/srun or plain python (a group of one); gloo on CPU, NCCL on CUDA."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env:
-        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
-                   LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for, but CUDA is not available on this machine")
-    use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if use_cuda else \
-        torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    backend, timeout = ("nccl" if use_cuda else "gloo"), timedelta(seconds=timeout_s)
-    if "RANK" in env:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    return rank, world, device
-
-
-class Collectives(TorchDispatchMode):
-    """Records the c10d collectives issued while active, in order: (phase, op, dtype, bytes of
-    the full tensor: the all-gather output / reduce-scatter input / all-reduced tensor)."""
-
-    def __init__(self):
-        super().__init__()
-        self.phase, self.calls = "", []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__
-        if getattr(func, "namespace", "") == "c10d" and any(
-                k in name for k in ("allgather", "reduce_scatter", "allreduce")):
-            tensors = [t for t in torch.utils._pytree.tree_leaves(args) if torch.is_tensor(t)]
-            big = max(tensors, key=torch.Tensor.numel)
-            op = "all-gather" if "allgather" in name else \
-                "reduce-scatter" if "reduce_scatter" in name else "all-reduce"
-            self.calls.append((self.phase, op, str(big.dtype).replace("torch.", ""),
-                               big.numel() * big.element_size()))
-        return func(*args, **(kwargs or {}))
-
-
-def nbytes(t) -> int:
-    """Bytes this rank holds: a DTensor's local shard, as stored (FSDP's padding not counted)."""
-    if t is None:
-        return 0
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    rank, world, device = init_distributed(args.device, args.timeout_s)
-    try:
-        run(args, rank, world, device)
-    finally:
-        gc.collect()  # free reference cycles holding the group while Python is alive
-        dist.destroy_process_group()
-
-
-def run(args, rank, world, device):
-    if args.strategy == "hybrid" and world % args.shard_size:
-        fail(f"--strategy hybrid needs the world size ({world}) to be a multiple of the shard "
-             f"group size --shard-size ({args.shard_size})")
-    shard_group = {"full": world, "grad-op": world, "no-shard": 1, "hybrid": args.shard_size}[
-        args.strategy]
-    # The mesh: 1-D (N,) shards over every rank; 2-D (replicas, shard) for no-shard and hybrid.
-    if args.strategy in ("full", "grad-op"):
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-    else:
-        mesh = init_device_mesh(device.type, (world // shard_group, shard_group),
-                                mesh_dim_names=("replicate", "shard"))
-
-    torch.manual_seed(args.seed)  # the same full model on every rank before sharding
+def build_sharded_mlp(args, mesh, device):
+    """The same full MLP on every rank (same seed), then sharded: each Linear is one FSDP unit
+    (gathered and freed on its own), then the root. Children first: a parameter belongs to the
+    innermost fully_shard'ed module that owns it."""
+    torch.manual_seed(args.seed)
     layers = [nn.Linear(a, b) for a, b in zip(SIZES[:-1], SIZES[1:])]
     model = nn.Sequential(layers[0], nn.GELU(), layers[1], nn.GELU(), layers[2]).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    before = sum(nbytes(p) for p in model.parameters())
-
-    # Shard: each Linear is one FSDP unit (gathered and freed on its own), then the root.
+    before = report.tensor_bytes(model.parameters())
     reshard = args.strategy != "grad-op"
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-
     # Every parameter is now a DTensor: a global shape, a placement per mesh dimension, and the
     # local rows this rank stores. Shard(0) splits dim 0 like torch.chunk; Replicate() copies.
-    names, params = zip(*model.named_parameters())
-    assert all(isinstance(p, DTensor) and p.placements[-1] == Shard(0) for p in params)
-    local_shapes = [None] * world
-    dist.all_gather_object(local_shapes, [tuple(p.to_local().shape) for p in params])
+    assert all(isinstance(p, DTensor) and p.placements[-1] == Shard(0)
+               for p in model.parameters())
+    return model, before
 
-    if rank == 0:
-        print(f"world {world} | strategy {args.strategy} = FSDP1 {FSDP1_NAMES[args.strategy]} | "
-              f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names} | reshard_after_forward="
-              f"{reshard} | MLP {' -> '.join(map(str, SIZES))}: {n_params:,} parameters (P)")
-        print(f"\n{'parameter':10} {'placements':28} {'global':9} local shard on each rank")
-        for i, (name, p) in enumerate(zip(names, params)):
-            shards = "  ".join(f"r{r} {str(s[i]):8}" for r, s in enumerate(local_shapes))
-            print(f"{name:10} {str(p.placements):28} {str(tuple(p.shape)):9} {shards}")
 
-    # One training step, recording every collective (rank 0 prints its own view).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def one_step(args, d, model, optimizer) -> CollectiveCounter:
+    """Forward, backward and AdamW on this rank's rows of one global batch, counting every
+    collective that forward and backward issue."""
     g = torch.Generator().manual_seed(args.seed + 1)
-    x_all = torch.randn(world * args.batch_size, SIZES[0], generator=g)
-    y_all = torch.randint(SIZES[-1], (world * args.batch_size,), generator=g)
-    rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)  # this rank's samples
-    log = Collectives()
-    with log:
-        log.phase = "forward"
-        loss = F.cross_entropy(model(x_all[rows].to(device)), y_all[rows].to(device))
-        log.phase = "backward"
+    x_all = torch.randn(d.world_size * args.batch_size, SIZES[0], generator=g)
+    y_all = torch.randint(SIZES[-1], (d.world_size * args.batch_size,), generator=g)
+    rows = rank_rows(d.rank, args.batch_size)
+    with CollectiveCounter() as comm:
+        comm.phase = "forward"  # all-gather each unit before it runs
+        loss = F.cross_entropy(model(x_all[rows].to(d.device)), y_all[rows].to(d.device))
+        comm.phase = "backward"  # all-gather again, then reduce-scatter each unit's gradient
         loss.backward()
     optimizer.step()  # local: each rank updates its shards with its shards' Adam state
+    return comm
 
-    held = {"param_bytes": sum(nbytes(p) for p in params),
-            "grad_bytes": sum(nbytes(p.grad) for p in params),
-            "optim_bytes": sum(nbytes(v) for s in optimizer.state.values() for v in s.values()
-                               if torch.is_tensor(v))}
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, held)
-    if rank == 0:
-        report(args, world, shard_group, model, params, names, n_params, before, per_rank, log)
+
+def run(args, d):
+    if args.strategy == "hybrid" and d.world_size % args.shard_size:
+        cli.fail(f"--strategy hybrid needs the world size ({d.world_size}) to be a multiple of "
+                 f"the shard group size --shard-size ({args.shard_size})")
+    shard_group = {"full": d.world_size, "grad-op": d.world_size, "no-shard": 1,
+                   "hybrid": args.shard_size}[args.strategy]
+    mesh = build_mesh(args.strategy, shard_group, d)
+    model, before = build_sharded_mlp(args, mesh, d.device)
+    names, params = zip(*model.named_parameters())
+    local_shapes = report.gather([tuple(p.to_local().shape) for p in params])
+    report.print0(f"world {d.world_size} | strategy {args.strategy} = FSDP1 "
+                  f"{FSDP1_NAMES[args.strategy]} | mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}"
+                  f" | reshard_after_forward={args.strategy != 'grad-op'} | MLP "
+                  f"{' -> '.join(map(str, SIZES))}: {sum(p.numel() for p in params):,} "
+                  f"parameters (P)")
+    if d.is_main:
+        print_placements(names, params, local_shapes)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    comm = one_step(args, d, model, optimizer)
+    per_rank = report.gather(report.held_bytes(params=params, optimizer=optimizer,
+                                               device=d.device))
+    if d.is_main:
+        print_bytes(before, per_rank, params, shard_group)
+        print_collectives(comm, model, params, shard_group, d.world_size)
+    if args.json_out and d.is_main:
+        report.write_json(args.json_out, {
+            "script": SCRIPT, "strategy": args.strategy, "world_size": d.world_size,
+            "mesh": list(mesh.shape), "params": sum(p.numel() for p in params),
+            "parameters": {n: list(p.shape) for n, p in zip(names, params)},
+            "per_rank": per_rank, "collectives": comm.records, "comms": comm.summary()})
+
+
+# --------------------------------------------------------------------------------------------------
+# What rank 0 prints: placements, bytes held, the collectives in order
+
+
+def print_placements(names, params, local_shapes) -> None:
+    print(f"\n{'parameter':10} {'placements':28} {'global':9} local shard on each rank")
+    for i, (name, p) in enumerate(zip(names, params)):
+        shards = "  ".join(f"r{r} {str(s[i]):8}" for r, s in enumerate(local_shapes))
+        print(f"{name:10} {str(p.placements):28} {str(tuple(p.shape)):9} {shards}".rstrip())
+
+
+def print_bytes(before: int, per_rank: list, params, shard_group: int) -> None:
+    n_params = sum(p.numel() for p in params)
+    total = [h["param_bytes"] + h["grad_bytes"] + h["optim_bytes"] for h in per_rank]
+    print(f"\nbytes each rank holds (fp32): before sharding {before:,} B of parameters on every "
+          f"rank; after one AdamW step:")
+    for r, held in enumerate(per_rank):
+        print(f"  rank {r}: params {held['param_bytes']:6,} B  grads {held['grad_bytes']:6,} B  "
+              f"optimizer {held['optim_bytes']:6,} B  = {total[r]:,} B")
+    print(f"  formula 16P/{shard_group} = {16 * n_params / shard_group:,.0f} B (+ Adam's 4-byte "
+          f"step counter per parameter tensor: {4 * len(params)} B); sum over ranks "
+          f"{sum(total):,} B")
 
 
 def unit_sizes(model, shard_group: int) -> dict:
@@ -229,37 +168,48 @@ def unit_sizes(model, shard_group: int) -> dict:
     return units
 
 
-def report(args, world, shard_group, model, params, names, n_params, before, per_rank, log):
-    total = [sum(r.values()) for r in per_rank]
-    print(f"\nbytes each rank holds (fp32): before sharding {before:,} B of parameters on every "
-          f"rank; after one AdamW step:")
-    for r, held in enumerate(per_rank):
-        print(f"  rank {r}: params {held['param_bytes']:6,} B  grads {held['grad_bytes']:6,} B  "
-              f"optimizer {held['optim_bytes']:6,} B  = {total[r]:,} B")
-    print(f"  formula 16P/{shard_group} = {16 * n_params / shard_group:,.0f} B (+ Adam's 4-byte "
-          f"step counter per parameter tensor: {4 * len(params)} B); sum over ranks "
-          f"{sum(total):,} B")
-
+def print_collectives(comm, model, params, shard_group: int, world: int) -> None:
+    """Each collective of the step: tensor = the whole tensor (all-gather output, reduce-scatter
+    input, all-reduced buffer), sent = what this rank sends of it on a ring."""
     units = unit_sizes(model, shard_group)
-    print(f"\none training step, the collectives in order (rank 0; "
-          f"{'none: every rank holds everything' if world == 1 else 'bytes = full tensor'}):")
-    for phase, op, dtype, size in log.calls:
+    what = "none: every rank holds everything" if world == 1 else \
+        "tensor = the whole tensor, sent = this rank's ring share"
+    print(f"\none training step, the collectives in order (rank 0; {what}):")
+    for r in comm.records:
         # HSDP's all-reduce runs on a reduced shard (1/S of the unit) across the replicas
-        unit = ", ".join(units.get(size * shard_group if op == "all-reduce" else size, ["?"]))
-        print(f"  {phase:8} {op:14} {dtype:8} {size:6,} B  unit {unit}")
-    moved = {}
-    for _, op, _, size in log.calls:
-        moved[op] = moved.get(op, 0) + size
-    if moved:
-        print("  per step: " + ", ".join(f"{op} {b:,} B" for op, b in moved.items()) +
-              f"; DDP would all-reduce {4 * n_params:,} B once")
-    if args.json_out:
-        import json
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps({
-            "script": "02-fsdp/fsdp_basics.py", "strategy": args.strategy, "world_size": world,
-            "params": n_params, "parameters": {n: list(p.shape) for n, p in zip(names, params)},
-            "per_rank": per_rank, "collectives": log.calls}, indent=1))
+        size = r["tensor_bytes"] * (shard_group if r["kind"] == "all_reduce" else 1)
+        print(f"  {r['phase']:8} {r['kind']:14} {r['dtype']:8} tensor {r['tensor_bytes']:6,} B  "
+              f"sent {r['sent_bytes']:6,} B  group {r['group_size']}  unit "
+              f"{', '.join(units.get(size, ['?']))}")
+    summary = comm.summary()
+    if summary:
+        n_params = sum(p.numel() for p in params)
+        ddp_sent = round(2 * (world - 1) / world * 4 * n_params)
+        print("  per step: " + ", ".join(f"{kind} {s['tensor_bytes']:,} B (sent "
+                                         f"{s['sent_bytes']:,} B)" for kind, s in summary.items())
+              + f"; DDP would all-reduce {4 * n_params:,} B once (sent {ddp_sent:,} B)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments and launch
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p)
+    cli.add_output_args(p, metrics=False, export=False, json_out=True)
+    p.add_argument("--strategy", choices=list(FSDP1_NAMES), default="full")
+    p.add_argument("--shard-size", type=int, default=2, help="hybrid: ranks per shard group")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per rank")
+    args = p.parse_args(argv)
+    cli.check_positive(args, "batch_size", "shard_size", "timeout_s")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with launch.distributed(args.device, args.timeout_s) as d:
+        run(args, d)
 
 
 if __name__ == "__main__":

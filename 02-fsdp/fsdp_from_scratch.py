@@ -8,17 +8,6 @@ Launch (from the repository root):
     torchrun --nproc_per_node=3 02-fsdp/fsdp_from_scratch.py --optimizer sgd
     torchrun --nproc_per_node=2 02-fsdp/fsdp_from_scratch.py --compute-dtype bf16
 
-Expected output (the second command; 2-core AMD EPYC CPU (shared), torch 2.14.1, gloo):
-    hand-written FSDP | world 2 | TiedLM 6,001 parameters (tied embedding/head, frozen position
-        table) | adamw | compute fp32 | + single-process reference
-    step   1/8 | loss 4.1908
-    step   4/8 | loss 3.7393
-    step   8/8 | loss 2.9403
-    done: rank 0 holds params 12,004 B, grads 11,284 B, optimizer 22,596 B of a 24,004 B fp32 model
-    full parameters materialised at once: at most 16,328 B (all of them: 24,004 B fp32); after
-        the step: 0 B
-    single-process reference: final loss 2.9403, max |w_fsdp - w_single| = 3.9e-06
-
 The mechanism (FSDP1's design, one parameter at a time instead of one flat buffer per unit):
 
     construction   every parameter p (numel n) is flattened, padded to a multiple of N and cut in
@@ -42,13 +31,9 @@ once. A frozen parameter (requires_grad=False) is gathered for forward and backw
 other, never reduced, and freed by finish_gradient_synchronization().
 """
 
-import argparse
-import gc
 import hashlib
 import math
-import os
-import sys
-from datetime import timedelta
+import time
 from pathlib import Path
 
 import torch
@@ -56,66 +41,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtcourse import cli, launch, report
+from dtcourse.data import rank_rows
+
+SCRIPT = "02-fsdp/fsdp_from_scratch.py"
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The two collectives of FSDP, on flat tensors: (N*k,) <- (k,) from each rank, and (k,) <- the
 # sum of everyone's (N*k,) slice. Newer torch renamed them; the arguments are the same.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, on every rank, before any collective."""
-    rank = os.environ.get("RANK")
-    print(f"{f'[rank {rank}] ' if rank else ''}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--compute-dtype", choices=list(DTYPES), default="fp32",
-                   help="dtype of the gathered weights (compute and all-gather); master "
-                        "shards, gradient reduction and optimizer stay fp32")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--timeout-s", type=float, default=60, help="collective timeout")
-    p.add_argument("--metrics-out", type=Path, help="rank 0 writes the run's metrics JSON here")
-    p.add_argument("--export", type=Path, help="rank 0 writes the plain model state_dict here")
-    p.add_argument("--reference", type=Path,
-                   help="rank 0 also trains the unwrapped model on the whole global batch (one "
-                        "process's training, no collectives) and writes its state_dict here")
-    args = p.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.lr <= 0 or args.timeout_s <= 0:
-        fail("--steps and --batch-size must be at least 1, --lr and --timeout-s positive")
-    return args
-
-
-def init_distributed(device_arg: str, timeout_s: float):
-    """torchrun/srun or plain python (a group of one); gloo on CPU, NCCL on CUDA."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env:
-        env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
-                   LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    if device_arg == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for, but CUDA is not available on this machine")
-    use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if use_cuda else \
-        torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    backend, timeout = ("nccl" if use_cuda else "gloo"), timedelta(seconds=timeout_s)
-    if "RANK" in env:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    return rank, world, device
 
 
 # --------------------------------------------------------------------------------------------------
@@ -282,10 +216,6 @@ def global_batch(seed: int, step: int, size: int, seq_len: int = 12, vocab: int 
     return seq[:, :-1], seq[:, 1:]
 
 
-def state_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 def make_optimizer(kind: str, params, lr: float):
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
@@ -314,112 +244,127 @@ class SingleProcess:
         self.losses.append(loss.item())
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rank, world, device = init_distributed(args.device, args.timeout_s)
-    try:
-        train(args, rank, world, device)
-    finally:
-        gc.collect()  # free reference cycles holding the group while Python is alive
-        dist.destroy_process_group()
+# --------------------------------------------------------------------------------------------------
+# Training: the hand-written FSDP in a plain loop
 
 
-def train(args, rank, world, device):
-    if args.compute_dtype == "fp16" and device.type != "cuda":
-        fail("--compute-dtype fp16 needs CUDA (CPU fp16 kernels are incomplete); use bf16")
+def train_step(args, d, fsdp, optimizer, step: int) -> torch.Tensor:
+    """One step on this rank's rows of the global batch; returns the global mean loss."""
+    x, y = global_batch(args.seed, step, d.world_size * args.batch_size)
+    rows = rank_rows(d.rank, args.batch_size)
+    optimizer.zero_grad(set_to_none=True)
+    logits = fsdp(x[rows].to(d.device))  # gathers and frees each module's params
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y[rows].to(d.device).flatten())
+    loss.backward()  # gathers again, reduce-scatters each gradient as soon as it is whole
+    fsdp.finish_gradient_synchronization()
+    optimizer.step()  # plain torch optimizer, on this rank's shards only
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean / d.world_size
+
+
+def train(args, d):
+    if args.compute_dtype == "fp16" and d.device.type != "cuda":
+        cli.fail("--compute-dtype fp16 needs CUDA (CPU fp16 kernels are incomplete); use bf16")
     cdtype = DTYPES[args.compute_dtype]
     torch.manual_seed(args.seed)
-    model = TiedLM().to(device)
-    names = [n for n, _ in model.named_parameters()]  # the tied weight once: "tok.weight"
+    model = TiedLM().to(d.device)
+    numels = {n: p.numel() for n, p in model.named_parameters()}  # the tied weight once
     trainable = {n: p.requires_grad for n, p in model.named_parameters()}
-    numels = {n: p.numel() for n, p in model.named_parameters()}
-
     fsdp = FullyShardedDataParallel(model, compute_dtype=cdtype)
     optimizer = make_optimizer(args.optimizer, fsdp.parameters(), args.lr)  # on the shards
-    reference = SingleProcess(args, device, cdtype) if args.reference and rank == 0 else None
-    if rank == 0:
-        print(f"hand-written FSDP | world {world} | TiedLM {sum(numels.values()):,} parameters "
-              f"(tied embedding/head, frozen position table) | {args.optimizer} | compute "
-              f"{args.compute_dtype}{' | + single-process reference' * bool(reference)}",
-              flush=True)
+    reference = SingleProcess(args, d.device, cdtype) if args.reference and d.is_main else None
+    report.print0(f"hand-written FSDP | world {d.world_size} | TiedLM {sum(numels.values()):,} "
+                  f"parameters (tied embedding/head, frozen position table) | {args.optimizer} | "
+                  f"compute {args.compute_dtype}"
+                  f"{' | + single-process reference' * bool(args.reference)}")
 
-    losses = []
-    rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
+    losses, t_start = [], None
     for step in range(args.steps):
-        x, y = global_batch(args.seed, step, world * args.batch_size)
-        optimizer.zero_grad(set_to_none=True)
-        logits = fsdp(x[rows].to(device))  # gathers and frees each module's params
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y[rows].to(device).flatten())
-        loss.backward()  # gathers again, reduce-scatters each gradient as soon as it is whole
-        fsdp.finish_gradient_synchronization()
-        optimizer.step()  # plain torch optimizer, on this rank's shards only
-        report = loss.detach().clone()
-        dist.all_reduce(report)
-        losses.append(report.item() / world)
+        if step == 1:
+            t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
+        losses.append(train_step(args, d, fsdp, optimizer, step).item())
         if reference is not None:
-            reference.step(x.to(device), y.to(device))
-        if rank == 0 and ((step + 1) % 4 == 0 or step == 0):
-            print(f"step {step + 1:3d}/{args.steps} | loss {losses[-1]:.4f}", flush=True)
+            x, y = global_batch(args.seed, step, d.world_size * args.batch_size)
+            reference.step(x.to(d.device), y.to(d.device))
+        if (step + 1) % 4 == 0 or step == 0:
+            report.print0(f"step {step + 1:3d}/{args.steps} | loss {losses[-1]:.4f}")
+    elapsed = time.perf_counter() - t_start if t_start else float("nan")
+    samples_per_s = (args.steps - 1) * d.world_size * args.batch_size / elapsed \
+        if args.steps > 1 else float("nan")
+    finish(args, d, fsdp, optimizer, numels, trainable, losses, samples_per_s, reference)
 
+
+# --------------------------------------------------------------------------------------------------
+# The report: bytes held, the comparison with one process, metrics and export
+
+
+def finish(args, d, fsdp, optimizer, numels, trainable, losses, samples_per_s, reference):
     full = fsdp.gather_full_params()  # every rank: the same full fp32 parameters
-    digest = hashlib.sha256(b"".join(full[n].cpu().numpy().tobytes() for n in names)).hexdigest()
-    held = {"param_bytes": state_bytes(fsdp.parameters()),
-            "grad_bytes": state_bytes(p.grad for p in fsdp.parameters()),
-            "optim_bytes": state_bytes(v for s in optimizer.state.values() for v in s.values()
-                                       if torch.is_tensor(v)),
-            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else None,
+    digest = hashlib.sha256(b"".join(full[n].cpu().numpy().tobytes() for n in numels)).hexdigest()
+    held = {**report.held_bytes(params=fsdp.parameters(), optimizer=optimizer, device=d.device),
             "peak_gathered_bytes": fsdp.peak_gathered_bytes,
-            "gathered_bytes_after_step": fsdp.gathered_bytes,
-            "full_params_sha256": digest}
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, held)
-    if rank == 0:
-        finish(args, world, device, numels, trainable, full, losses, per_rank, reference,
-               fsdp.records[0].buffer.dtype)
-    dist.barrier()
+            "gathered_bytes_after_step": fsdp.gathered_bytes, "full_params_sha256": digest}
+    per_rank = report.gather(held)
+    n_params = sum(numels.values())
+    report.print0(f"done: rank 0 holds params {held['param_bytes']:,} B, grads "
+                  f"{held['grad_bytes']:,} B, optimizer {held['optim_bytes']:,} B of a "
+                  f"{4 * n_params:,} B fp32 model")
+    report.print0(f"full parameters materialised at once: at most "
+                  f"{per_rank[0]['peak_gathered_bytes']:,} B (all of them: {4 * n_params:,} B "
+                  f"fp32); after the step: {per_rank[0]['gathered_bytes_after_step']} B")
+    if reference is not None:
+        diff = max((full[n] - p.detach()).abs().max().item()
+                   for n, p in reference.model.named_parameters())
+        report.print0(f"single-process reference: final loss {reference.losses[-1]:.4f}, "
+                      f"max |w_fsdp - w_single| = {diff:.2g}")
+        report.save_state_dict(args.reference, plain_state_dict(
+            dict(reference.model.named_parameters())))
+    metrics = report.metrics(
+        d, script=SCRIPT, strategy="hand-written-fsdp", steps=args.steps,
+        global_batch=d.world_size * args.batch_size, losses=losses, samples_per_s=samples_per_s,
+        per_rank=per_rank, optimizer=args.optimizer, compute_dtype=args.compute_dtype,
+        gathered_dtype=str(fsdp.records[0].buffer.dtype).removeprefix("torch."),
+        params=n_params, param_numels=numels, trainable=trainable,
+        reference_losses=reference.losses if reference else None)
+    report.finish(args, metrics, plain_state_dict(full) if d.is_main else None)
 
 
-def save_plain(params: dict, path: Path) -> None:
-    """Load `params` into the unwrapped class and save its state_dict (both tied names)."""
+def plain_state_dict(params: dict) -> dict:
+    """`params` loaded into the unwrapped class: its state_dict, with both tied names."""
     plain = TiedLM()
     with torch.no_grad():
         for n, p in plain.named_parameters():
             p.copy_(params[n])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({k: v.cpu() for k, v in plain.state_dict().items()}, tmp)
-    os.replace(tmp, path)
+    return plain.state_dict()
 
 
-def finish(args, world, device, numels, trainable, full, losses, per_rank, reference,
-           fsdp_dtype):
-    mine, n_params = per_rank[0], sum(numels.values())
-    print(f"done: rank 0 holds params {mine['param_bytes']:,} B, grads {mine['grad_bytes']:,} B,"
-          f" optimizer {mine['optim_bytes']:,} B of a {4 * n_params:,} B fp32 model", flush=True)
-    print(f"full parameters materialised at once: at most {mine['peak_gathered_bytes']:,} B "
-          f"(all of them: {4 * n_params:,} B fp32); after the step: "
-          f"{mine['gathered_bytes_after_step']} B", flush=True)
-    if reference is not None:
-        diff = max((full[n] - p.detach()).abs().max().item()
-                   for n, p in reference.model.named_parameters())
-        print(f"single-process reference: final loss {reference.losses[-1]:.4f}, "
-              f"max |w_fsdp - w_single| = {diff:.2g}", flush=True)
-        save_plain(dict(reference.model.named_parameters()), args.reference)
-    if args.export:
-        save_plain(full, args.export)
-    if args.metrics_out:
-        import json
-        args.metrics_out.parent.mkdir(parents=True, exist_ok=True)
-        args.metrics_out.write_text(json.dumps({
-            "script": "02-fsdp/fsdp_from_scratch.py", "strategy": "hand-written-fsdp",
-            "world_size": world, "steps": args.steps, "global_batch": world * args.batch_size,
-            "optimizer": args.optimizer, "compute_dtype": args.compute_dtype,
-            "gathered_dtype": str(fsdp_dtype).replace("torch.", ""),
-            "params": n_params, "param_numels": numels, "trainable": trainable,
-            "losses": losses, "reference_losses": reference.losses if reference else None,
-            "device": str(device), "torch_version": torch.__version__,
-            "per_rank": per_rank}, indent=1))
+# --------------------------------------------------------------------------------------------------
+# Arguments and launch
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    cli.add_run_args(p)
+    cli.add_train_args(p, steps=8, batch_size=8, lr=1e-2, grad_accum=False,
+                       batch_help="sequences per rank")
+    cli.add_output_args(p)
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--compute-dtype", choices=list(DTYPES), default="fp32",
+                   help="dtype of the gathered weights (compute and all-gather); master "
+                        "shards, gradient reduction and optimizer stay fp32")
+    p.add_argument("--reference", type=Path,
+                   help="rank 0 also trains the unwrapped model on the whole global batch (one "
+                        "process's training, no collectives) and writes its state_dict here")
+    args = p.parse_args(argv)
+    cli.check_positive(args, "steps", "batch_size", "lr", "timeout_s")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with launch.distributed(args.device, args.timeout_s) as d:
+        train(args, d)
 
 
 if __name__ == "__main__":
