@@ -8,37 +8,21 @@ Launch (from the repository root):
     python benchmarks/distributed_benchmarks.py memory --quick --out runs/bench-quick \
         --from runs/bench-quick/train.json          # the train runs' bytes: no new launch
     python benchmarks/distributed_benchmarks.py comm --out benchmarks/results   # the sample run
-    python benchmarks/distributed_benchmarks.py train --layers 4 --width 128 \
+    python benchmarks/distributed_benchmarks.py train --layers 4 --dim 128 --heads 8 \
         --out benchmarks/results
     python benchmarks/distributed_benchmarks.py memory --out benchmarks/results
     python benchmarks/distributed_benchmarks.py train --device cuda --worlds 1 --precision bf16 \
-        --layers 12 --width 768 --batch-size 16 --steps 30
-
-Expected output (train --quick; 2-core AMD EPYC CPU (shared), torch 2.14.1, deepspeed 0.19.8,
-gloo; tokens/s of 3 timed steps on a shared CPU vary a lot from run to run):
-    [train repeat 1/1 world 1 | ddp fsdp-full] torchrun --nproc_per_node=1 ... (the command)
-    [train repeat 1/1 world 1 | ddp fsdp-full]   done in 11.7 s
-    ...
-    strategy      world  tokens/s (median)  scaling efficiency  rank-0 bytes held
-    ddp               1             13,799                   -          1,759,340
-    ddp               2             20,320                0.74          1,759,340
-    fsdp-full         1             15,160                   -          1,759,340
-    fsdp-full         2              6,190                0.20            879,724
-    zero2             1             23,926                   -          2,122,240
-    zero2             2             11,622                0.24          1,273,344
-    zero3             1              6,507                   -          2,122,240
-    zero3             2              6,303                0.48          1,061,120
-    wrote runs/bench-quick/train.json and runs/bench-quick/train.png
+        --layers 12 --dim 768 --heads 12 --batch-size 16 --steps 30
 
 What each subcommand launches (torchrun --nproc_per_node=W for every world size W):
     comm    04-nccl-operations/bandwidth_test.py: algbw and busbw per op and message size
     train   02-fsdp/fsdp_transformer.py (ddp and fsdp-* strategies, in one launch) and
-            03-deepspeed/deepspeed_train.py (one launch per zero* config) on GPTs of the same
-            shape, with the same batch per rank: tokens/s and scaling efficiency
+            03-deepspeed/deepspeed_train.py (one launch per zero* config), which train the same
+            GPT (dtcourse.models.GPT) from the same flags, with the same batch per rank: tokens/s and scaling efficiency
             tokens/s(W) / (W x tokens/s(1)), per-rank bytes
     memory  the same scripts at one world size: each rank's measured `per_rank` bytes beside
-            memory_estimator.py's prediction (exact, from the model's parameter shapes) and the
-            paper's formula
+            memory_estimator.py's prediction (exact, from the parameter shapes of the GPT
+            itself, built on the meta device) and the paper's formula
 """
 
 import argparse
@@ -58,14 +42,19 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import torch
+
+from dtcourse.cli import add_gpt_args, check_gpt_args, fail
+from dtcourse.models import GPT
+from dtcourse.report import write_json
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import memory_estimator as me  # the estimator beside this file
+import memory_estimator as me  # noqa: E402 - the estimator beside this file
 
 REPO = Path(__file__).resolve().parents[1]
 FSDP_SCRIPT = "02-fsdp/fsdp_transformer.py"
 DS_SCRIPT = "03-deepspeed/deepspeed_train.py"
 BW_SCRIPT = "04-nccl-operations/bandwidth_test.py"
-VOCAB, SEQ_LEN = 64, 32  # deepspeed_train.py's fixed vocabulary and sequence; fsdp's are set to it
 
 # Estimator strategy -> (lesson script, what selects it there)
 LESSON = {
@@ -76,13 +65,8 @@ LESSON = {
     "zero2-offload": (DS_SCRIPT, "zero2_offload_config.json"),
     "zero3-offload": (DS_SCRIPT, "zero3_offload_config.json"),
 }
+GPT_FLAGS = ("layers", "dim", "heads", "seq_len", "vocab")  # the shared GPT's shape
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")
-
-
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2, before anything is launched."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -136,8 +120,7 @@ def parse_args(argv=None):
     c.add_argument("--warmup", type=int, default=2, help="untimed iterations (quick: 1)")
 
     def model(sp, steps, accum):
-        sp.add_argument("--layers", type=int, default=2, help="transformer blocks")
-        sp.add_argument("--width", type=int, default=64, help="model width, a multiple of 16")
+        add_gpt_args(sp, layers=2, dim=64, heads=4, seq_len=32, vocab=64)
         sp.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
         sp.add_argument("--steps", type=int, default=steps, help="optimizer steps per launch")
         sp.add_argument("--grad-accum", type=int, default=accum, help="micro-steps per step")
@@ -182,12 +165,10 @@ def validate(args):
         if args.iters < 1 or args.warmup < 0:
             fail(f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}")
         return args
-    for name in ("layers", "batch_size", "steps", "grad_accum", "shard_size"):
+    for name in ("batch_size", "steps", "grad_accum", "shard_size"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.width < 16 or args.width % 16:
-        fail(f"--width must be a multiple of 16 (the head size of both lessons' GPTs), "
-             f"got {args.width}")
+    check_gpt_args(args)
     if args.command == "train":
         if args.quick:
             args.worlds, args.repeats, args.steps = "1,2", 1, args.quick_steps
@@ -291,11 +272,8 @@ def torchrun(nproc: int, script: str, args: list, timeout_s: float, tag: str) ->
 
 def write_outputs(out_dir: Path, name: str, result: dict, fig) -> None:
     """<out>/<name>.json and <out>/<name>.png, each written to a temporary name and renamed."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    tmp = out_dir / f".{name}.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
+    write_json(path, result)
     tmp_png = out_dir / f".{name}.png.tmp"
     fig.savefig(tmp_png, format="png", dpi=80, bbox_inches="tight")
     os.replace(tmp_png, out_dir / f"{name}.png")
@@ -364,40 +342,30 @@ def run_comm(args) -> None:
 # The lessons' models: parameter shapes for the estimator, derived from the same flags
 
 
-def fsdp_gpt_shapes(layers: int, width: int) -> list:
-    """02-fsdp/fsdp_transformer.py's GPT: embeddings, blocks (ln1, qkv without bias, proj, ln2,
-    fc, out), ln_f, an untied head."""
-    w = width
-    block = [(w,), (w,), (3 * w, w), (w, w), (w,), (w,), (w,), (4 * w, w), (4 * w,), (w, 4 * w),
-             (w,)]
-    return [(VOCAB, w), (SEQ_LEN, w)] + block * layers + [(w,), (w,), (VOCAB, w)]
-
-
-def ds_gpt_shapes(layers: int, width: int) -> list:
-    """03-deepspeed/deepspeed_train.py's GPT: embeddings (the token one tied to the output
-    layer, so counted once), blocks (ln1, q and v with bias, k without, proj, ln2, fc1, fc2),
-    ln_f."""
-    w = width
-    block = [(w,), (w,), (w, w), (w,), (w, w), (w, w), (w,), (w, w), (w,), (w,), (w,),
-             (4 * w, w), (4 * w,), (w, 4 * w), (w,)]
-    return [(VOCAB, w), (SEQ_LEN, w)] + block * layers + [(w,), (w,)]
+def gpt_shapes(args) -> list:
+    """Parameter shapes of the GPT both lessons train at these flags, read off the model class
+    itself (built on the meta device: shapes without memory), in parameter order."""
+    with torch.device("meta"):
+        model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers)
+    return [tuple(p.shape) for p in model.parameters()]
 
 
 def lesson_args(strategy_names: list, world: int, args, metrics: Path) -> tuple[str, list]:
     """The script and flags that run these strategies (one fsdp launch, or one DeepSpeed config)
     on the shared model shape and per-rank batch."""
     script = LESSON[strategy_names[0]][0]
-    shared = ["--layers", args.layers, "--batch-size", args.batch_size, "--steps", args.steps,
-              "--grad-accum", args.grad_accum, "--device", args.device, "--metrics-out", metrics]
+    shared = ["--layers", args.layers, "--dim", args.dim, "--heads", args.heads, "--seq-len",
+              args.seq_len, "--vocab", args.vocab, "--batch-size", args.batch_size, "--steps",
+              args.steps, "--grad-accum", args.grad_accum, "--device", args.device,
+              "--metrics-out", metrics]
     if script == FSDP_SCRIPT:
-        flags = ["--strategy", *[LESSON[s][1] for s in strategy_names], "--dim", args.width,
-                 "--heads", args.width // 16, "--seq-len", SEQ_LEN, "--vocab", VOCAB,
+        flags = ["--strategy", *[LESSON[s][1] for s in strategy_names],
                  "--mixed-precision", args.precision]
         if "fsdp-hybrid" in strategy_names:
             flags += ["--shard-size", args.shard_size]
     else:
         flags = ["--deepspeed_config", f"03-deepspeed/configs/{LESSON[strategy_names[0]][1]}",
-                 "--width", args.width, "--precision", args.precision]
+                 "--precision", args.precision]
     return script, flags + shared
 
 
@@ -468,11 +436,10 @@ def run_train(args) -> None:
     device = records[0]["device"]
     result = {"kind": "train", "machine": machine, "device": device,
               "backend": backend_of(device),
-              "config": {k: getattr(args, k) for k in ("quick", "layers", "width", "batch_size",
-                                                       "steps", "grad_accum", "precision",
-                                                       "repeats", "shard_size")}
-              | {"worlds": args.world_list, "strategies": args.strategy_list, "vocab": VOCAB,
-                 "seq_len": SEQ_LEN},
+              "config": {k: getattr(args, k) for k in GPT_FLAGS + ("quick", "batch_size", "steps",
+                                                                   "grad_accum", "precision",
+                                                                   "repeats", "shard_size")}
+              | {"worlds": args.world_list, "strategies": args.strategy_list},
               "summary": summary, "runs": records}
 
     print(f"\n{'strategy':13} {'world':>5} {'tokens/s (median)':>18} {'scaling efficiency':>19} "
@@ -512,7 +479,7 @@ def run_train(args) -> None:
     ax2.set_ylabel("tokens/s(W) / (W x tokens/s(1))")
     ax2.set_title("scaling efficiency", fontsize=10)
     ax2.legend(fontsize=7)
-    fig.suptitle(f"{args.layers} layers, width {args.width}, {args.batch_size} x {SEQ_LEN} "
+    fig.suptitle(f"{args.layers} layers, dim {args.dim}, {args.batch_size} x {args.seq_len} "
                  f"tokens per rank, {args.precision}, {device}: {machine['cpu']}", fontsize=9)
     write_outputs(args.out, "train", result, fig)
 
@@ -545,13 +512,12 @@ def predicted_bytes(est: dict) -> dict:
 def compare_memory(record: dict, args) -> list[dict]:
     """Rows (one per rank): measured, the estimator's library accounting from the model's exact
     shapes, and the paper's formula from P alone."""
-    shapes_of = fsdp_gpt_shapes if record["script"] == FSDP_SCRIPT else ds_gpt_shapes
-    shapes = shapes_of(args.layers, args.width)
+    shapes = gpt_shapes(args)
     P = sum(math.prod(s) for s in shapes)
     if P != record["params"] or record["param_tensors"] not in (None, len(shapes)):
         sys.exit(f"error: {record['script']} reports {record['params']:,} parameters in "
-                 f"{record['param_tensors']} tensors, but the shapes derived here give {P:,} in "
-                 f"{len(shapes)}: update fsdp_gpt_shapes / ds_gpt_shapes")
+                 f"{record['param_tensors']} tensors, but dtcourse.models.GPT at these flags has "
+                 f"{P:,} in {len(shapes)}: the lesson no longer trains the shared GPT")
     precision = "mixed" if record["precision"] == "bf16" else "fp32"
     rows = []
     for rank, held in enumerate(record["per_rank"]):
@@ -581,8 +547,7 @@ def run_memory(args) -> None:
         if source.get("kind") != "train":
             fail(f"--from {args.from_json}: not a `train` result (kind {source.get('kind')!r})")
         # The model and batch of those runs: the estimator needs their shapes.
-        for key in ("layers", "width", "batch_size", "steps", "grad_accum", "precision",
-                    "shard_size"):
+        for key in GPT_FLAGS + ("batch_size", "steps", "grad_accum", "precision", "shard_size"):
             setattr(args, key, source["config"][key])
         last = max(r["repeat"] for r in source["runs"])
         records = [r for r in source["runs"] if r["world_size"] == args.world
@@ -598,9 +563,9 @@ def run_memory(args) -> None:
     result = {"kind": "memory", "machine": machine, "device": device,
               "backend": backend_of(device), "world_size": args.world,
               "source": str(args.from_json) if args.from_json else "launched",
-              "config": {k: getattr(args, k) for k in ("quick", "layers", "width", "batch_size",
-                                                       "steps", "grad_accum", "precision",
-                                                       "shard_size")}
+              "config": {k: getattr(args, k) for k in GPT_FLAGS + ("quick", "batch_size", "steps",
+                                                                   "grad_accum", "precision",
+                                                                   "shard_size")}
               | {"strategies": args.strategy_list},
               "rows": rows, "runs": [{k: v for k, v in r.items() if k != "per_rank"}
                                      for r in records]}

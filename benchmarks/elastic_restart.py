@@ -11,7 +11,6 @@ arrives, which gives:
     python benchmarks/elastic_restart.py --json-out runs/elastic_restart.json
 """
 
-import argparse
 import json
 import os
 import re
@@ -23,18 +22,14 @@ import threading
 import time
 from pathlib import Path
 
+from dtcourse import cli
+from dtcourse.cli import fail
+
 SCRIPT = Path(__file__).resolve().parents[1] / "01-ddp-basics" / "ddp_training.py"
 
 
-def fail(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail
+    p = cli.parser(__doc__)
     p.add_argument("--nproc", type=int, default=2, help="ranks")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--ckpt-every", type=int, default=100)

@@ -29,13 +29,14 @@ their flat buffers; FSDP2 keeps fp32 shards of torch.chunk's uneven sizes and to
 4-byte step counter per parameter tensor on every rank.
 """
 
-import argparse
 import json
 import math
 import os
 import re
-import sys
 from pathlib import Path
+
+from dtcourse import cli
+from dtcourse.cli import fail
 
 # name -> (parameters, layers, hidden, heads, seq_len, where the count comes from). Counts are
 # exact sums of the published architectures (embeddings and heads included; tied weights once).
@@ -62,12 +63,6 @@ STRATEGIES = {
 SHARDS_PARAMS = ("zero3", "fsdp-full", "fsdp-hybrid", "zero3-offload")  # gather layer by layer
 KEYS = ("params_bytes", "grads_bytes", "optim_bytes", "activations_bytes", "transient_bytes",
         "total_bytes", "host_bytes")
-
-
-def fail(msg: str) -> None:
-    """Bad input: one line on stderr and exit status 2."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,9 +224,7 @@ def parse_shapes(text: str) -> list:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error = fail  # argparse's own errors too: one line, exit 2
+    p = cli.parser(__doc__)
     p.add_argument("--params", help="parameter count (7e9, 1.5B) or a preset: "
                    + ", ".join(PRESETS))
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (GPUs) N")

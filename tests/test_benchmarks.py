@@ -30,6 +30,8 @@ from conftest import (
     run_torchrun,
 )
 
+from dtcourse.models import gpt_parameter_count
+
 README = REPO / "benchmarks" / "README.md"
 OUT = REPO / "runs" / "bench-quick"
 COMM = "python benchmarks/distributed_benchmarks.py comm --quick --out runs/bench-quick"
@@ -48,6 +50,10 @@ def load(name):
 
 me = load("memory_estimator")
 bench = load("distributed_benchmarks")
+
+# The GPT both lessons train at the quick runs' default shape flags.
+GPT_SHAPES = bench.gpt_shapes(bench.parse_args(["train", "--quick"]))
+P_GPT = gpt_parameter_count(vocab=64, seq_len=32, dim=64, layers=2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,10 +186,10 @@ def test_train_quick_reports_throughput_efficiency_and_memory(train):
         else:  # one repeat: exactly tokens/s(2) / (2 x tokens/s(1))
             assert row["scaling_efficiency"] == pytest.approx(
                 row["tokens_per_s_median"] / (2 * run1["tokens_per_s_median"]), rel=1e-12)
-    # Both lessons' GPTs have the same shape flags; their parameter counts come from the scripts.
+    # Both lessons train the course's GPT from the same shape flags: the same P, reported by each
+    # script, equal to the formula of dtcourse.models.
     params = {r["script"]: r["params"] for r in train["runs"]}
-    assert params == {"02-fsdp/fsdp_transformer.py": 109_952,
-                      "03-deepspeed/deepspeed_train.py": 106_112}
+    assert params == {"02-fsdp/fsdp_transformer.py": P_GPT, "03-deepspeed/deepspeed_train.py": P_GPT}
     assert_png(OUT / "train.png")
 
 
@@ -201,10 +207,9 @@ def test_estimator_equals_measured_per_rank_bytes_at_world_2(train):
     runs = per_rank_runs(train)
     assert {r["strategy"] for r in runs} == {"ddp", "fsdp-full", "zero2", "zero3"}
     for run in runs:
-        fsdp = run["script"] == "02-fsdp/fsdp_transformer.py"
-        shapes = (bench.fsdp_gpt_shapes if fsdp else bench.ds_gpt_shapes)(2, 64)
+        shapes = GPT_SHAPES
         P = sum(math.prod(s) for s in shapes)
-        assert P == run["params"], run["strategy"]  # the derived shapes are the script's model
+        assert P == run["params"], run["strategy"]  # the shapes are the script's model
         for rank, held in enumerate(run["per_rank"]):
             est = me.estimate(P, 2, run["strategy"], "fp32", "library", shapes=shapes, rank=rank)
             # grad_bytes: at grad-accum 1 DeepSpeed's only micro-step is its last one
@@ -219,7 +224,7 @@ def test_estimator_from_p_alone_is_within_the_padding(train):
     ceil(numel/N) elements per tensor, stages 1-2 a flat buffer padded to a multiple of 2N."""
     for run in per_rank_runs(train):
         fsdp = run["script"] == "02-fsdp/fsdp_transformer.py"
-        shapes = (bench.fsdp_gpt_shapes if fsdp else bench.ds_gpt_shapes)(2, 64)
+        shapes = GPT_SHAPES
         P, N = run["params"], 2
         # bytes the padding can add to one rank (fp32: 4 per weight/grad, 12 or 8 optimizer)
         if fsdp:  # rows padded to ceil(rows/N) per tensor: 4 + 4 + 8 bytes per element
@@ -271,12 +276,12 @@ def test_memory_quick_compares_measured_library_and_paper(memory, train):
             assert row["measured"]["held_bytes"] == \
                 held["param_bytes"] + held["grad_bytes"] + held["optim_bytes"]
             assert row["library_minus_measured"] == 0
-    # What the paper's formula leaves out (fp32, P = 106,112 or 109,952, N = 2): DeepSpeed's
-    # fp32 master partition 4P/N; torch Adam's 4-byte step counter per tensor (27 tensors).
+    # What the paper's formula leaves out (fp32, N = 2): DeepSpeed's fp32 master partition 4P/N;
+    # torch Adam's 4-byte step counter per parameter tensor.
     for strategy in ("zero2", "zero3"):
-        assert rows[(strategy, 0)]["paper_minus_measured"] == -4 * 106_112 // 2
+        assert rows[(strategy, 0)]["paper_minus_measured"] == -4 * P_GPT // 2
     for strategy in ("ddp", "fsdp-full"):
-        assert rows[(strategy, 0)]["paper_minus_measured"] == -4 * 27
+        assert rows[(strategy, 0)]["paper_minus_measured"] == -4 * len(GPT_SHAPES)
     assert_png(OUT / "memory.png")
 
 
