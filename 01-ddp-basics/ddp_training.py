@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, comm, launch, report
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
 
@@ -57,15 +57,10 @@ def build(args, d):
     # DDP broadcasts rank 0's weights at construction, so all replicas start equal.
     ddp = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
 
-    # Count the all-reduces DDP launches (one per gradient bucket) to see no_sync() at work.
-    allreduce_calls = [0]
-
-    def counting_allreduce(state, bucket):
-        allreduce_calls[0] += 1
-        grad = bucket.buffer().div_(d.world_size)  # average = sum / world, as DDP's default does
-        return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-    ddp.register_comm_hook(None, counting_allreduce)
+    # Count the all-reduces DDP launches (one per gradient bucket) to see no_sync() at work: a
+    # comm hook that averages each bucket as DDP's default does, and counts.
+    allreduces = comm.counting_allreduce(d.world_size)
+    ddp.register_comm_hook(None, allreduces)
 
     # Linear scaling rule (Goyal et al. 2017): LR grows with the global batch; warmup avoids the
     # early instability that a large LR causes on random weights.
@@ -75,7 +70,7 @@ def build(args, d):
         optimizer, lambda s: lr_at(s, 1.0, args.warmup_steps))
     # fp16 gradients can underflow: scale the loss up, unscale before the step (bf16 needs none).
     scaler = torch.amp.GradScaler("cuda", enabled=args.precision == "fp16")
-    return model, ddp, optimizer, scheduler, scaler, allreduce_calls
+    return model, ddp, optimizer, scheduler, scaler, allreduces
 
 
 def train_step(args, d, ddp, optimizer, scheduler, scaler, step: int) -> torch.Tensor:
@@ -164,14 +159,6 @@ def resume(args, d, model, optimizer, scheduler, scaler) -> int:
     return ckpt["step"]
 
 
-def inject_failure(args, rank: int, step: int) -> None:
-    """--fail-at-step: rank --fail-rank raises once, to show an elastic restart resuming."""
-    if args.fail_at_step and step + 1 == args.fail_at_step and rank == args.fail_rank:
-        marker = args.ckpt_dir / f"failed_once_at_step_{args.fail_at_step}"
-        if not marker.exists():
-            marker.touch()  # remembered, so the restarted run does not fail again
-            raise RuntimeError(f"injected failure on rank {rank} at step {step + 1}")
-
 
 # --------------------------------------------------------------------------------------------------
 # The loop
@@ -180,10 +167,8 @@ def inject_failure(args, rank: int, step: int) -> None:
 def train(args, d):
     if args.precision == "fp16" and d.device.type != "cuda":
         cli.fail("--precision fp16 needs CUDA (GradScaler); use bf16 on CPU")
-    if args.fail_at_step and args.fail_rank >= d.world_size:
-        cli.fail(f"--fail-rank {args.fail_rank} does not exist at world size {d.world_size}")
     args.global_batch = d.world_size * args.batch_size * args.grad_accum
-    model, ddp, optimizer, scheduler, scaler, allreduce_calls = build(args, d)
+    model, ddp, optimizer, scheduler, scaler, allreduces = build(args, d)
     start_step = resume(args, d, model, optimizer, scheduler, scaler) if args.ckpt_dir else 0
 
     # Preemption: SLURM (or torchrun on shutdown) sends SIGTERM. We only set a flag here; the
@@ -200,7 +185,7 @@ def train(args, d):
     for step in range(start_step, args.steps):
         if step == start_step + 1:
             t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
-        inject_failure(args, d.rank, step)
+        launch.inject_failure(args, d.rank, step)
         step_loss = train_step(args, d, ddp, optimizer, scheduler, scaler, step)
 
         # Report the mean loss over the global batch, and agree on a pending SIGTERM.
@@ -229,14 +214,14 @@ def train(args, d):
     elapsed = time.perf_counter() - t_start if t_start else float("nan")
     samples_per_s = timed_samples / elapsed if timed_samples else float("nan")
     report.print0(f"done: {args.steps - start_step} steps, {samples_per_s:.0f} samples/s, "
-                  f"all-reduce calls {allreduce_calls[0]}")
+                  f"all-reduce calls {allreduces.calls}")
     per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,
                                                device=d.device))
     metrics = report.metrics(d, script=SCRIPT, strategy="ddp", steps=args.steps,
                              global_batch=args.global_batch, losses=losses,
                              samples_per_s=samples_per_s, per_rank=per_rank,
                              start_step=start_step, grad_accum=args.grad_accum,
-                             precision=args.precision, allreduce_calls=allreduce_calls[0])
+                             precision=args.precision, allreduce_calls=allreduces.calls)
     report.finish(args, metrics, model.state_dict())
 
 
@@ -254,25 +239,18 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="autocast dtype; fp16 adds a GradScaler and needs CUDA")
     p.add_argument("--hidden", type=int, default=128, help="width of the MLP")
-    p.add_argument("--ckpt-dir", type=Path, help="checkpoint here and resume from the newest")
-    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every K steps (0: end)")
-    p.add_argument("--keep-ckpts", type=int, default=3, help="keep the newest K checkpoints")
-    p.add_argument("--fail-at-step", type=int, default=0,
-                   help="fault injection: --fail-rank raises once at this step (needs --ckpt-dir)")
-    p.add_argument("--fail-rank", type=int, default=0)
+    cli.add_ckpt_args(p, keep=True)
     p.add_argument("--spawn", type=int, default=0, metavar="N",
                    help="start N local ranks with torch.multiprocessing.spawn instead of torchrun")
     p.add_argument("--log-every", type=int, default=10)
     args = p.parse_args(argv)
     cli.check_positive(args, "steps", "batch_size", "grad_accum", "base_batch", "log_every", "lr",
-                       "timeout_s", "keep_ckpts", "hidden")
-    if args.warmup_steps < 0 or args.ckpt_every < 0:
-        cli.fail("--warmup-steps and --ckpt-every must be >= 0")
+                       "timeout_s", "hidden")
+    if args.warmup_steps < 0:
+        cli.fail(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.spawn and ("RANK" in os.environ or args.spawn < 1):
         cli.fail("--spawn N starts N ranks itself: use it with plain python, N >= 1")
-    if args.fail_at_step and not args.ckpt_dir:
-        cli.fail("--fail-at-step needs --ckpt-dir (the restart resumes from it)")
-    cli.check_ckpt_dir(args.ckpt_dir)
+    cli.check_ckpt_args(args, args.spawn or launch.launched().world_size)
     return args
 
 

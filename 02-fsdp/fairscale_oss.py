@@ -148,12 +148,13 @@ def print_table(impls, runs, states) -> None:
 
 
 def write(args, d, impls, runs, states, skipped) -> None:
-    """Rank 0: one export per implementation (out.pt -> out.oss.pt) and the metrics of all."""
+    """Rank 0: one export per implementation (out.pt -> out.oss.pt; out.pt itself when only one
+    ran) and the metrics of all."""
     if d.is_main:
         if args.export:
             for impl, state in states.items():
-                report.save_state_dict(args.export.with_suffix(f".{impl}{args.export.suffix}"),
-                                       state)
+                report.save_state_dict(
+                    report.variant_path(args.export, impl, several=len(states) > 1), state)
         if args.metrics_out:
             report.write_json(args.metrics_out, {
                 "script": SCRIPT, "strategy": "+".join(impls), "world_size": d.world_size,

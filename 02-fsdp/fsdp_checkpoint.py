@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 
 from dtcourse import cli, launch, report
 from dtcourse.data import classification_batch, rank_rows
+from dtcourse.models import ResidualMLP
 
 try:  # public since torch 2.6; torch.distributed._composable.fsdp before
     from torch.distributed.fsdp import fully_shard
@@ -49,35 +49,7 @@ SCRIPT = "02-fsdp/fsdp_checkpoint.py"
 
 
 # --------------------------------------------------------------------------------------------------
-# The model: residual blocks, one FSDP unit each
-
-
-class Block(nn.Module):
-    """x + W2 GELU(W1 LayerNorm(x)): one FSDP unit."""
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.fc1, self.fc2 = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
-class ResidualMLP(nn.Module):
-    """32 features -> hidden -> `depth` residual blocks -> 10 classes."""
-
-    def __init__(self, hidden: int = 90, depth: int = 3, features: int = 32, classes: int = 10):
-        super().__init__()
-        self.inp = nn.Linear(features, hidden)
-        self.blocks = nn.ModuleList(Block(hidden) for _ in range(depth))
-        self.out = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
+# The model: dtcourse.models.ResidualMLP, residual blocks, one FSDP unit each
 
 
 def build(args, device):
@@ -157,14 +129,6 @@ def resume(args, d, model, optimizer):
     return step, {"path": str(path), "step": step, "saved_world_size": saved_world}
 
 
-def inject_failure(args, rank: int, step: int) -> None:
-    """--fail-at-step: rank --fail-rank raises once, to show an elastic restart resuming."""
-    if args.fail_at_step and step + 1 == args.fail_at_step and rank == args.fail_rank:
-        marker = args.ckpt_dir / f"failed_once_at_step_{args.fail_at_step}"
-        if not marker.exists():
-            marker.touch()  # remembered, so the restarted run does not fail again
-            raise RuntimeError(f"injected failure on rank {rank} at step {step + 1}")
-
 
 # --------------------------------------------------------------------------------------------------
 # One step and the loop
@@ -184,8 +148,6 @@ def train_step(args, d, model, optimizer, step: int, global_bs: int) -> torch.Te
 
 
 def train(args, d):
-    if args.fail_at_step and args.fail_rank >= d.world_size:
-        cli.fail(f"--fail-rank {args.fail_rank} does not exist at world size {d.world_size}")
     global_bs = d.world_size * args.batch_size
     model, optimizer = build(args, d.device)
     start_step, resumed = resume(args, d, model, optimizer) if args.ckpt_dir else (0, None)
@@ -200,7 +162,7 @@ def train(args, d):
     losses, saved, t_start = [], [], time.perf_counter()
     bar = report.progress(args.steps, "train", initial=start_step)
     for step in range(start_step, args.steps):
-        inject_failure(args, d.rank, step)
+        launch.inject_failure(args, d.rank, step)
         loss = train_step(args, d, model, optimizer, step, global_bs)
         # One small all-reduce: [sum of the ranks' losses, ranks that received SIGTERM].
         flags = torch.stack([loss, torch.tensor(float(stop["requested"]), device=d.device)])
@@ -259,20 +221,14 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=5, help="linear warmup of the LR")
     p.add_argument("--hidden", type=int, default=90, help="width (90 rows split unevenly on 4)")
     p.add_argument("--depth", type=int, default=3, help="residual blocks (one FSDP unit each)")
-    p.add_argument("--ckpt-dir", type=Path, help="checkpoint here and resume from the newest")
-    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every K steps (0: end)")
-    p.add_argument("--fail-at-step", type=int, default=0,
-                   help="fault injection: --fail-rank raises once at this step (needs --ckpt-dir)")
-    p.add_argument("--fail-rank", type=int, default=0)
+    cli.add_ckpt_args(p)
     p.add_argument("--log-every", type=int, default=5)
     args = p.parse_args(argv)
     cli.check_positive(args, "steps", "batch_size", "hidden", "depth", "log_every", "lr",
                        "timeout_s")
-    if args.warmup_steps < 0 or args.ckpt_every < 0:
-        cli.fail("--warmup-steps and --ckpt-every must be >= 0")
-    if args.fail_at_step and not args.ckpt_dir:
-        cli.fail("--fail-at-step needs --ckpt-dir (the restart resumes from it)")
-    cli.check_ckpt_dir(args.ckpt_dir)
+    if args.warmup_steps < 0:
+        cli.fail(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    cli.check_ckpt_args(args, launch.launched().world_size)
     return args
 
 

@@ -296,8 +296,7 @@ def write_results(args, d, results) -> None:
         for metrics, full_sd in results:
             if args.export:  # w.pt -> w.full.pt, w.ddp.pt, ...
                 report.save_state_dict(
-                    args.export.with_suffix(f".{metrics['strategy']}{args.export.suffix}"),
-                    full_sd)
+                    report.variant_path(args.export, metrics["strategy"], several=True), full_sd)
         if args.metrics_out:
             report.write_json(args.metrics_out, {"script": SCRIPT,
                                                  "runs": {m["strategy"]: m for m, _ in results}})

@@ -258,14 +258,6 @@ def fp32_state_dict(engine, model, deepspeed, args) -> dict:
     return out
 
 
-def inject_failure(args, rank: int, step: int) -> None:
-    """--fail-at-step: rank --fail-rank raises once, to show an elastic restart resuming."""
-    if args.fail_at_step and step + 1 == args.fail_at_step and rank == args.fail_rank:
-        marker = args.ckpt_dir / f"failed_once_at_step_{args.fail_at_step}"
-        if not marker.exists():
-            marker.touch()  # remembered, so the restarted run does not fail again
-            raise RuntimeError(f"injected failure on rank {rank} at step {step + 1}")
-
 
 # --------------------------------------------------------------------------------------------------
 # The loop
@@ -294,7 +286,7 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
     for step in range(start_step, args.steps):
         if step == start_step + 1:  # the first step pays for warm-up; time the rest
             t_start, cpu_start = time.perf_counter(), time.process_time()
-        inject_failure(args, d.rank, step)
+        launch.inject_failure(args, d.rank, step)
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         # This rank's rows: r*B*A .. (r+1)*B*A - 1, cut into grad_accum micro-batches of B.
         rows = rank_rows(d.rank, micro * accum)
@@ -390,11 +382,7 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="auto: the config's bf16/fp16 section on CUDA, fp32 on CPU")
     cli.add_gpt_args(p, layers=2, dim=64, heads=4, seq_len=32, vocab=64)
-    p.add_argument("--ckpt-dir", type=Path, help="checkpoint here and resume from the newest")
-    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every K steps (0: end)")
-    p.add_argument("--fail-at-step", type=int, default=0,
-                   help="fault injection: --fail-rank raises once at this step (needs --ckpt-dir)")
-    p.add_argument("--fail-rank", type=int, default=0)
+    cli.add_ckpt_args(p)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--export-source", choices=["engine", "checkpoint"], default="engine",
                    help="gather the fp32 weights from the live engine, or convert the final "
@@ -404,11 +392,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     cli.check_positive(args, "steps", "batch_size", "grad_accum", "log_every", "lr", "timeout_s")
     cli.check_gpt_args(args)
-    if args.ckpt_every < 0:
-        cli.fail(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
-    if args.fail_at_step and not args.ckpt_dir:
-        cli.fail("--fail-at-step needs --ckpt-dir (the restart resumes from it)")
-    cli.check_ckpt_dir(args.ckpt_dir)
+    cli.check_ckpt_args(args, launch.launched().world_size)
     if args.export_source == "checkpoint" and not (args.export and args.ckpt_dir):
         cli.fail("--export-source checkpoint needs --export and --ckpt-dir")
     return args
@@ -458,8 +442,6 @@ def fit_config(config: dict, args, d) -> None:
         if "warmup_max_lr" in sched:
             sched["warmup_max_lr"] = args.lr
     args.precision = set_precision(config, args.precision, d.device)
-    if args.fail_at_step and args.fail_rank >= world:
-        cli.fail(f"--fail-rank {args.fail_rank} does not exist at world size {world}")
 
 
 def set_precision(config: dict, precision: str, device) -> str:

@@ -147,10 +147,9 @@ def export(engine, model, deepspeed, args, name: str, d) -> None:
     rank 0 writes one file per config: PATH with the config's name before the suffix."""
     state = {k: deepspeed.utils.safe_get_full_fp32_param(p).float().cpu()
              for k, p in model.state_dict(keep_vars=True).items()}
-    several = len(args.config_paths) > 1
     if d.rank == 0:
-        report.save_state_dict(args.export.with_suffix(f".{name}{args.export.suffix}")
-                               if several else args.export, state)
+        report.save_state_dict(
+            report.variant_path(args.export, name, several=len(args.config_paths) > 1), state)
 
 
 def estimate(n_params: int, largest: int, world: int, config: dict, stage: int) -> tuple:

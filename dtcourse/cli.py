@@ -108,3 +108,26 @@ def check_gpt_args(args: argparse.Namespace) -> None:
     if args.dim % args.heads:
         fail(f"--heads {args.heads} must divide --dim {args.dim}: each head takes dim/heads "
              f"features ({args.dim}/{args.heads} is not a whole number)")
+
+
+def add_ckpt_args(p: argparse.ArgumentParser, *, keep: bool = False) -> None:
+    """Checkpoints with automatic resume, and the fault injection that shows a restart resuming."""
+    p.add_argument("--ckpt-dir", type=Path, help="checkpoint here and resume from the newest")
+    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every K steps (0: end)")
+    if keep:
+        p.add_argument("--keep-ckpts", type=int, default=3, help="keep the newest K checkpoints")
+    p.add_argument("--fail-at-step", type=int, default=0,
+                   help="fault injection: --fail-rank raises once at this step (needs --ckpt-dir)")
+    p.add_argument("--fail-rank", type=int, default=0)
+
+
+def check_ckpt_args(args: argparse.Namespace, world_size: int) -> None:
+    if args.ckpt_every < 0:
+        fail(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
+    if getattr(args, "keep_ckpts", 1) < 1:
+        fail(f"--keep-ckpts must be at least 1, got {args.keep_ckpts}")
+    if args.fail_at_step and not args.ckpt_dir:
+        fail("--fail-at-step needs --ckpt-dir (the restart resumes from it)")
+    if args.fail_at_step and not 0 <= args.fail_rank < world_size:
+        fail(f"--fail-rank {args.fail_rank} does not exist at world size {world_size}")
+    check_ckpt_dir(args.ckpt_dir)

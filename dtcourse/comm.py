@@ -122,3 +122,24 @@ class CollectiveCounter(TorchDispatchMode):
                 if value not in s[key]:
                     s[key].append(value)
         return out
+
+
+def counting_allreduce(world_size: int):
+    """A DDP comm hook that does what DDP's default hook does, average each gradient bucket with
+    one all-reduce, and counts the buckets it sends in its attribute `calls`:
+
+        hook = counting_allreduce(world_size)
+        ddp.register_comm_hook(None, hook)
+        ...
+        hook.calls
+
+    With `no_sync()` on the accumulation micro-steps, the count shows one all-reduce per bucket per
+    optimizer step instead of one per micro-step."""
+
+    def hook(state, bucket):
+        hook.calls += 1
+        grad = bucket.buffer().div_(world_size)  # average = sum / world, as DDP's default
+        return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    hook.calls = 0
+    return hook

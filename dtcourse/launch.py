@@ -2,12 +2,12 @@
 
 Every launcher tells a process who it is through environment variables, each in its own words:
 
-    launcher                      rank                  world size             local rank
-    torchrun                      RANK                  WORLD_SIZE             LOCAL_RANK
-    deepspeed                     RANK                  WORLD_SIZE             LOCAL_RANK
-    srun (one task per GPU)       SLURM_PROCID          SLURM_STEP_NUM_TASKS   SLURM_LOCALID
-    mpirun (OpenMPI)              OMPI_COMM_WORLD_RANK  OMPI_COMM_WORLD_SIZE   OMPI_COMM_WORLD_LOCAL_RANK
-    python (no launcher)          0                     1                      0
+    launcher          rank                  world size            local rank
+    torchrun          RANK                  WORLD_SIZE            LOCAL_RANK
+    deepspeed         RANK                  WORLD_SIZE            LOCAL_RANK
+    srun              SLURM_PROCID          SLURM_STEP_NUM_TASKS  SLURM_LOCALID
+    mpirun (OpenMPI)  OMPI_COMM_WORLD_RANK  OMPI_COMM_WORLD_SIZE  OMPI_COMM_WORLD_LOCAL_RANK
+    python            0                     1                     0
 
 torchrun and deepspeed also give the rendezvous point (MASTER_ADDR, MASTER_PORT). Under srun the
 first host of the step's node list is the master and the port is derived from the job and step
@@ -38,7 +38,7 @@ class LaunchError(ValueError):
 @dataclass(frozen=True)
 class Launch:
     """Who this process is, as the launcher's variables say."""
-    launcher: str                 # python, torchrun, deepspeed, srun, mpirun or env (RANK set by hand)
+    launcher: str                 # python, torchrun, deepspeed, srun, mpirun, or env (RANK by hand)
     rank: int
     world_size: int
     local_rank: int
@@ -279,6 +279,17 @@ def distributed(device: str = "auto", timeout_s: float = 120.0):
         yield d
     finally:
         teardown()
+
+
+def inject_failure(args, rank: int, step: int) -> None:
+    """--fail-at-step K --fail-rank R: rank R raises once, at step K, to show torchrun's elastic
+    restart resuming from the newest checkpoint. A marker file in --ckpt-dir remembers it, so the
+    restarted run does not fail again."""
+    if args.fail_at_step and step + 1 == args.fail_at_step and rank == args.fail_rank:
+        marker = args.ckpt_dir / f"failed_once_at_step_{args.fail_at_step}"
+        if not marker.exists():
+            marker.touch()
+            raise RuntimeError(f"injected failure on rank {rank} at step {step + 1}")
 
 
 def start_deepspeed(d: Dist):

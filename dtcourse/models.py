@@ -1,8 +1,11 @@
 """The models that several lessons train, defined once so that "the same model" is one class.
 
-MLP   the classifier of lessons 01 and 05: 32 features -> `hidden` x `depth` -> 10 classes.
-GPT   the decoder-only transformer of lessons 02, 03 and 05: token + position embeddings, `layers`
-      pre-norm blocks (causal self-attention, then a 4x MLP), a final norm and the LM head.
+MLP          the classifier of lessons 01 and 05: 32 features -> `hidden` x `depth` -> 10 classes.
+ResidualMLP  the same task through `depth` pre-norm residual blocks: the model lesson 02 shards
+             and checkpoints block by block, and lesson 05b cuts into pipeline stages.
+GPT          the decoder-only transformer of lessons 02, 03 and 05: token + position
+             embeddings, `layers` pre-norm blocks (causal self-attention, then a 4x MLP), a final
+             norm and the LM head.
 
 GPT's attention keeps q, k and v as three layers rather than one fused matrix: splitting each by
 output rows gives a tensor-parallel rank the same heads in all three, and DeepSpeed's AutoTP
@@ -36,6 +39,36 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+class ResidualBlock(nn.Module):
+    """x + fc2(GELU(fc1(LayerNorm(x)))), (B, hidden) -> (B, hidden): one FSDP unit, one pipeline
+    layer."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class ResidualMLP(nn.Module):
+    """(B, features) -> embed -> `depth` residual blocks -> head -> (B, classes). Default
+    initialisation: seed with torch.manual_seed before building."""
+
+    def __init__(self, hidden: int, depth: int, features: int = 32, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Linear(features, hidden)
+        self.blocks = nn.ModuleList(ResidualBlock(hidden) for _ in range(depth))
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 
 class Attention(nn.Module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -40,11 +41,19 @@ class _Silent:
 
 def progress(total: int, desc: str, *, initial: int = 0, show: bool | None = None):
     """A tqdm bar on rank 0 (or where `show`), drawn only on a terminal; `bar.write(msg)` prints a
-    line without breaking it. Other ranks get an object with the same methods that does nothing."""
+    line without breaking it, flushed. Other ranks get an object with the same methods that does
+    nothing."""
     if not (show if show is not None else _rank() == 0):
         return _Silent()
     from tqdm import tqdm
-    return tqdm(total=total, initial=initial, desc=desc, disable=None)
+
+    class Bar(tqdm):
+        @classmethod
+        def write(cls, s, file=None, end="\n", nolock=False):
+            super().write(s, file=file, end=end, nolock=nolock)
+            (file or sys.stdout).flush()  # a pipe (a log, a launcher) gets the line now
+
+    return Bar(total=total, initial=initial, desc=desc, disable=None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,6 +133,14 @@ def save_state_dict(path: Path, state_dict: dict) -> None:
     """torch.save a plain state dict: every value a tensor on the CPU, detached (atomically)."""
     plain = {k: v.detach().cpu() for k, v in state_dict.items()}
     _atomic(path, lambda tmp: torch.save(plain, tmp))
+
+
+def variant_path(path: Path, tag: str, several: bool) -> Path:
+    """Where a script that trains several variants in one launch (strategies, methods, settings)
+    exports variant `tag`: PATH with the tag before the suffix (w.pt -> w.ddp.pt), or PATH itself
+    when only one variant was trained."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{tag}{path.suffix}") if several else path
 
 
 def finish(args, metrics_dict: dict | None = None, state_dict: dict | None = None) -> None:

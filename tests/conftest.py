@@ -216,9 +216,21 @@ def run_ranks(script: str, *args, world: int = 2, timeout: float = 60,
 
 
 def run_deepspeed(script: str, *args, num_gpus: int = 2, **kw) -> Result:
-    """`deepspeed --num_gpus N script.py ...` (on CPU DeepSpeed picks its CPU accelerator + gloo)."""
+    """`deepspeed --num_gpus N script.py ...` (on CPU, DeepSpeed's CPU accelerator and gloo)."""
     return launch(["deepspeed", f"--num_gpus={num_gpus}", f"--master_port={free_port()}",
                    script, *args], **kw)
+
+
+def load_script(path: str):
+    """A lesson script (or benchmark) imported as a module, from its path relative to the
+    repository: the scripts are standalone files, not a package, and their main() runs only when
+    they are executed, so importing one gives its functions and classes without training."""
+    import importlib.util
+    name = "course_" + re.sub(r"\W", "_", str(path).removesuffix(".py"))
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,15 +12,25 @@ Several launches are the lesson README's own commands, run verbatim, so the READ
 ones checked. They write under runs/ (git-ignored).
 """
 
-import importlib.util
 import shutil
 
 import pytest
-
-from conftest import (PYTHON, REPO, assert_state_dicts_close,
-                      assert_state_dicts_equal, free_port, launch, load_export, read_json,
-                      readme_mentions, run_python, run_readme_command, run_together,
-                      run_torchrun_nodes)
+from conftest import (
+    PYTHON,
+    REPO,
+    assert_state_dicts_close,
+    assert_state_dicts_equal,
+    free_port,
+    launch,
+    load_export,
+    load_script,
+    read_json,
+    readme_mentions,
+    run_python,
+    run_readme_command,
+    run_together,
+    run_torchrun_nodes,
+)
 
 TRAIN = "01-ddp-basics/ddp_training.py"
 MNIST = "01-ddp-basics/ddp_mnist.py"
@@ -210,9 +220,7 @@ SRUN_NODES = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu1"
         "sbatch-script"])
 def test_mnist_setup_reads_the_launcher_like_the_shared_module(env):
     from dtcourse.launch import detect
-    spec = importlib.util.spec_from_file_location("ddp_mnist", REPO / MNIST)
-    mnist = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mnist)
+    mnist = load_script(MNIST)
     mine, shared = mnist.who_am_i(env), detect(env)
     assert (mine.rank, mine.world_size, mine.local_rank, mine.master_addr, mine.master_port) == \
         (shared.rank, shared.world_size, shared.local_rank, shared.master_addr,

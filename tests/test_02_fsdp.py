@@ -5,16 +5,15 @@ the hand-written FSDP equals single-process training, and fairscale's OSS equals
 Runs are launched lazily and shared between the tests of this file (one launch per configuration).
 """
 
-import importlib.util
 import math
 import shutil
 
 import pytest
 import torch
 
-from conftest import (REPO, assert_state_dicts_close, assert_state_dicts_equal,
+from conftest import (assert_state_dicts_close, assert_state_dicts_equal,
                       load_export, read_json, run_python, run_torchrun)
-from dtcourse.models import GPT, gpt_parameter_count
+from dtcourse.models import GPT, ResidualMLP, gpt_parameter_count
 
 LESSON = "02-fsdp"
 GPT_SCRIPT = f"{LESSON}/fsdp_transformer.py"
@@ -360,10 +359,7 @@ def test_checkpoint_saved_at_world_4_resumes_at_world_2(ckpt):
 
 
 def test_export_loads_strictly_into_the_plain_model(ckpt):
-    spec = importlib.util.spec_from_file_location("fsdp_checkpoint", REPO / CKPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # defines the classes; main() runs only as a script
-    model = module.ResidualMLP()
+    model = ResidualMLP(hidden=90, depth=3)  # the script's defaults, without any wrapper
     model.load_state_dict(ckpt["a.pt"], strict=True)
     assert all(v.device.type == "cpu" and v.dtype == torch.float32 for v in ckpt["a.pt"].values())
 

@@ -18,13 +18,22 @@ Inconsistent degrees and heads that do not split over the TP ranks exit 2 with o
 before any collective: tests/test_bad_inputs.py.
 """
 
-import importlib.util
 import re
 
 import pytest
+from conftest import (
+    REPO,
+    assert_state_dicts_close,
+    load_export,
+    read_json,
+    readme_mentions,
+    run_python,
+    run_readme_command,
+    run_torchrun,
+    run_torchrun_nodes,
+)
 
-from conftest import (REPO, assert_state_dicts_close, load_export, read_json, readme_mentions,
-                      run_python, run_readme_command, run_torchrun, run_torchrun_nodes)
+from dtcourse.models import GPT
 
 TP = "05-advanced/a-tensor-sequence-hybrid/tensor_parallel.py"
 HYBRID = "05-advanced/a-tensor-sequence-hybrid/hybrid_parallelism.py"
@@ -65,13 +74,9 @@ WEIGHTS_RTOL, WEIGHTS_ATOL = 1e-4, 1e-4
 
 
 def plain_model(script: str):
-    """The script's model class, built without any parallel wrapper: the export must load into it
-    with strict=True. Importing the file runs no training: main() is guarded."""
-    name = "lesson05a_" + script.split("/")[-1].removesuffix(".py")
-    spec = importlib.util.spec_from_file_location(name, REPO / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.GPT(vocab=64, seq_len=S, dim=H, heads=4, layers=L)
+    """The model both scripts train (dtcourse.models.GPT) at their shape, built without any
+    parallel wrapper: the export must load into it with strict=True."""
+    return GPT(vocab=64, seq_len=S, dim=H, heads=4, layers=L)
 
 
 def formula_bytes(t: int, sequence_parallel: bool, impl: str) -> dict:

@@ -11,7 +11,6 @@ and two uneven lengths. The workers (tests/workers_05b/) import the lesson scrip
 tensors a test needs, which the scripts themselves do not write.
 """
 
-import importlib.util
 import math
 
 import pytest
@@ -23,13 +22,16 @@ from conftest import (
     assert_state_dicts_close,
     launch,
     load_export,
+    load_script,
     read_json,
     readme_mentions,
     run_python,
     run_torchrun,
     torchrun_cmd,
 )
+
 from dtcourse.data import classification_batch
+from dtcourse.models import ResidualMLP
 
 LESSON = "05-advanced/b-pipeline-expert-context"
 PP = f"{LESSON}/pipeline_parallel.py"
@@ -55,15 +57,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def load_script(path):
-    """The lesson scripts are standalone files, not a package: load one as a module so a test can
-    build its unsplit model class and data without any parallel code."""
-    spec = importlib.util.spec_from_file_location(path.split("/")[-1][:-3], REPO / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,7 +117,7 @@ def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(pp_sweep, pp
             if "skipped" in r} == refused
     for key, got in checks.items():
         torch.manual_seed(0)  # the script's --seed default: the same initial weights
-        model = pp.PipeModel()
+        model = ResidualMLP(hidden=64, depth=8)
         x, y = classification_batch(0, 0, got["batch"])
         loss = F.cross_entropy(model(x), y)  # the whole batch at once, no pipeline
         loss.backward()
@@ -192,9 +185,8 @@ def test_pipeline_training_export_equals_the_unsplit_model_trained_in_one_proces
     got, sd = read_json(tmp_path / "w2.json"), load_export(tmp_path / "w2.pt")
     # What `python pipeline_parallel.py --steps 4` does, without any pipeline code: the script's
     # defaults (seed 0, batch 48, AdamW lr 3e-3, weight decay 0.01) on the whole model.
-    pp = load_script(PP)
     torch.manual_seed(0)
-    model = pp.PipeModel()
+    model = ResidualMLP(hidden=64, depth=8)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     losses = []
     for step in range(4):
@@ -210,7 +202,7 @@ def test_pipeline_training_export_equals_the_unsplit_model_trained_in_one_proces
     assert len(got["per_rank"]) == 2
     assert sum(r["param_bytes"] for r in got["per_rank"]) == \
         sum(t.numel() * 4 for t in sd.values())
-    pp.PipeModel().load_state_dict(sd, strict=True)
+    ResidualMLP(hidden=64, depth=8).load_state_dict(sd, strict=True)
     assert_state_dicts_close(sd, model.state_dict(), rtol=RTOL, atol=ATOL)
 
 

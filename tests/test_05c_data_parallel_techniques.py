@@ -9,18 +9,25 @@ worker, tests/workers_05c/mechanisms.py. The README's quoted outputs that do not
 machine's speed are compared with a fresh run of the command above them.
 """
 
-import importlib.util
 import json
 import re
 
 import numpy as np
 import pytest
 import torch
+from conftest import (
+    REPO,
+    assert_state_dicts_close,
+    load_export,
+    load_script,
+    read_json,
+    readme_mentions,
+    run_python,
+    run_readme_command,
+    run_torchrun,
+)
 
 from dtcourse.models import MLP
-
-from conftest import (REPO, assert_state_dicts_close, load_export, read_json, readme_mentions,
-                      run_python, run_readme_command, run_torchrun)
 
 LESSON = "05-advanced/c-data-parallel-techniques"
 DOCS = sorted((REPO / LESSON).rglob("*.md"))
@@ -41,14 +48,6 @@ README = REPO / LESSON / "README.md"
 # the measured ~2e-7 after a few steps and still catches any real difference (a missing
 # average, a gradient reduced twice, an unsynchronised replica all give errors >= 1e-3).
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def load_module(script: str):
-    """A lesson script imported as a module (its main() does not run)."""
-    spec = importlib.util.spec_from_file_location(script.rsplit("/", 1)[-1][:-3], REPO / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,7 +308,7 @@ def test_data_loading_shards_and_memmap(tmp_path):
     # resized images (uint8, bit for bit), decoded here by the script's own functions, on one
     # thread as the script runs them (on other thread counts the float interpolation that draws
     # the synthetic images can round a pixel the other way, which changes the JPEG bytes).
-    lesson = load_module(DATA)
+    lesson = load_script(DATA)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

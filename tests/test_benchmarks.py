@@ -14,7 +14,6 @@ share their outputs through module-scoped fixtures: `train --quick` launches the
 The estimator is pure Python and is checked in-process.
 """
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 from conftest import (
     REPO,
     assert_bad_input,
+    load_script,
     read_json,
     readme_mentions,
     run_python,
@@ -41,15 +41,8 @@ MEMORY = ("python benchmarks/distributed_benchmarks.py memory --quick "
 LAUNCH_TIMEOUT = 280  # 6 launches take ~80 s of wall time on 2 idle cores, more when shared
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-me = load("memory_estimator")
-bench = load("distributed_benchmarks")
+me = load_script("benchmarks/memory_estimator.py")
+bench = load_script("benchmarks/distributed_benchmarks.py")
 
 # The GPT both lessons train at the quick runs' default shape flags.
 GPT_SHAPES = bench.gpt_shapes(bench.parse_args(["train", "--quick"]))
@@ -189,7 +182,8 @@ def test_train_quick_reports_throughput_efficiency_and_memory(train):
     # Both lessons train the course's GPT from the same shape flags: the same P, reported by each
     # script, equal to the formula of dtcourse.models.
     params = {r["script"]: r["params"] for r in train["runs"]}
-    assert params == {"02-fsdp/fsdp_transformer.py": P_GPT, "03-deepspeed/deepspeed_train.py": P_GPT}
+    assert params == {"02-fsdp/fsdp_transformer.py": P_GPT,
+                      "03-deepspeed/deepspeed_train.py": P_GPT}
     assert_png(OUT / "train.png")
 
 

@@ -18,19 +18,54 @@ import pytest
 from conftest import (PYTHON, REPO, assert_state_dicts_equal, launch, load_export,
                       readme_mentions, run_torchrun)
 
-# (script, arguments): every script that trains and exports a model.
+A = "05-advanced/a-tensor-sequence-hybrid"
+B = "05-advanced/b-pipeline-expert-context"
+C = "05-advanced/c-data-parallel-techniques"
+ZERO3 = "03-deepspeed/configs/zero3_config.json"
+
+# (script, arguments): every script of the course that trains and exports a model, each at a few
+# steps of its smallest setting. Scripts that train several variants in one launch export one
+# file per variant (w.pt -> w.<variant>.pt); every file is compared.
 TRAINING_SCRIPTS = [
     ("01-ddp-basics/ddp_mnist.py", ["--epochs", "1", "--train-size", "192", "--test-size", "64"]),
     ("01-ddp-basics/ddp_training.py", ["--steps", "3"]),
+    ("02-fsdp/fsdp_from_scratch.py", ["--steps", "2"]),
+    ("02-fsdp/fsdp_transformer.py", ["--steps", "2", "--strategy", "full", "ddp"]),
+    ("02-fsdp/fsdp_checkpoint.py", ["--steps", "3"]),
+    ("02-fsdp/fairscale_oss.py", ["--steps", "2", "--impl", "oss"]),
+    ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", ZERO3, "--steps", "2"]),
+    ("03-deepspeed/zero_from_scratch.py", ["--steps", "2", "--stage", "2"]),
+    ("03-deepspeed/zero_offload.py", ["--steps", "2", "--configs", "zero2_offload_config"]),
+    (f"{A}/tensor_parallel.py", ["--steps", "2", "--sequence-parallel"]),
+    (f"{A}/hybrid_parallelism.py", ["--steps", "2", "--pp", "2", "--microbatches", "2"]),
+    (f"{B}/pipeline_parallel.py", ["--steps", "2", "--schedule", "1f1b", "--microbatches", "4"]),
+    (f"{B}/expert_parallel.py", ["--steps", "2"]),
+    (f"{C}/gradient_accumulation.py", ["--steps", "2"]),
+    (f"{C}/communication_overlap.py", ["--steps", "2", "--warmup", "0", "--variants", "bucketed"]),
+    (f"{C}/gradient_compression.py", ["--steps", "2", "--methods", "powersgd"]),
+    (f"{C}/async_sgd.py", ["--steps", "2", "--modes", "sync", "local", "--worker-delay-ms", "0"]),
+    (f"{C}/profiling.py", ["--wait", "0", "--warmup", "0", "--active", "1"]),
+    (f"{C}/data_loading.py", ["--images", "32", "--epochs", "1"]),
 ]
+
+
+def exports(folder) -> dict:
+    files = sorted(folder.glob("*.pt"))
+    assert files, f"nothing exported in {folder}"
+    return {f.name: load_export(f) for f in files}
 
 
 @pytest.mark.parametrize("script,args", TRAINING_SCRIPTS, ids=[s for s, _ in TRAINING_SCRIPTS])
 def test_srun_exports_what_torchrun_exports(slurm, tmp_path, script, args):
-    ref, out = tmp_path / "torchrun.pt", tmp_path / "srun.pt"
-    run_torchrun(script, *args, "--export", ref, nproc=2, timeout=240)
-    slurm.run(["srun", "-n", "2", PYTHON, script, *args, "--export", out], timeout=240)
-    assert_state_dicts_equal(load_export(out), load_export(ref), msg=f"{script} srun vs torchrun:")
+    (tmp_path / "torchrun").mkdir()
+    (tmp_path / "srun").mkdir()
+    run_torchrun(script, *args, "--export", tmp_path / "torchrun" / "w.pt", nproc=2, timeout=240)
+    slurm.run(["srun", "-n", "2", PYTHON, script, *args, "--export", tmp_path / "srun" / "w.pt"],
+              timeout=240)
+    ref, got = exports(tmp_path / "torchrun"), exports(tmp_path / "srun")
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        assert_state_dicts_equal(got[name], ref[name], msg=f"{script} {name} srun vs torchrun:")
 
 
 MPIRUN = "mpirun -np 16 -H node0:8,node1:8 -x MASTER_ADDR=node0 -x MASTER_PORT=29500 python " \

@@ -41,20 +41,21 @@ import torch.nn.functional as F
 
 from dtcourse import cli, launch, report
 from dtcourse.data import classification_batch
+from dtcourse.models import ResidualMLP
 
 SCRIPT = "05-advanced/b-pipeline-expert-context/pipeline_parallel.py"
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 # --------------------------------------------------------------------------------------------------
-# A stage: a contiguous slice of the model's layers (PipeModel, below)
+# A stage: a contiguous slice of the model's layers (ResidualMLP, below)
 
 
 class Stage(nn.Module):
-    """Pipeline stage `index` of `num_stages`: a contiguous slice of PipeModel's blocks, plus the
+    """Pipeline stage `index` of `num_stages`: a contiguous slice of ResidualMLP's blocks, plus the
     embedding on the first stage and the head on the last. (rows, in) -> (rows, out)."""
 
-    def __init__(self, model: "PipeModel", index: int, num_stages: int):
+    def __init__(self, model: ResidualMLP, index: int, num_stages: int):
         super().__init__()
         layers = len(model.blocks)
         lo, hi = index * layers // num_stages, (index + 1) * layers // num_stages
@@ -65,7 +66,7 @@ class Stage(nn.Module):
         self.block_ids = list(range(lo, hi))
 
     def full_name(self, name: str) -> str:
-        """This stage's parameter name -> the unsplit PipeModel's (blocks.0 -> blocks.<lo>)."""
+        """This stage's parameter name -> the unsplit ResidualMLP's (blocks.0 -> blocks.<lo>)."""
         if name.startswith("blocks."):
             _, i, rest = name.split(".", 2)
             return f"blocks.{self.block_ids[int(i)]}.{rest}"
@@ -249,7 +250,7 @@ def build_stages(args, p: int, v: int, rank: int):
     only this rank's stages materialised; the weights would then come from a checkpoint.)
     Interleaved: rank r holds stages r, r + p, r + 2p, ... (v of them)."""
     torch.manual_seed(args.seed)
-    model = PipeModel(args.layers, args.hidden)
+    model = ResidualMLP(args.hidden, args.layers)
     recorder = Recorder()
     stages = [MeasuredStage(model, rank + c * p, p * v, args.layer_ms, recorder)
               for c in range(v)]
@@ -306,7 +307,7 @@ class Pipeline:
         return loss
 
     def full_state(self, grads: bool = False):
-        """{unsplit PipeModel name: tensor on CPU} of this rank's stages (weights or grads)."""
+        """{unsplit ResidualMLP name: tensor on CPU} of this rank's stages (weights or grads)."""
         out = {}
         for st in self.stages:
             for name, prm in st.named_parameters():
@@ -327,41 +328,10 @@ class Pipeline:
 
 
 def merge(parts):
-    """The ranks' {name: tensor} pieces -> one state_dict of the unsplit PipeModel."""
+    """The ranks' {name: tensor} pieces -> one state_dict of the unsplit ResidualMLP."""
     return {k: t for part in parts for k, t in part.items()}
 
 
-# --------------------------------------------------------------------------------------------------
-# The model every pipeline must reproduce (data: dtcourse.data.classification_batch)
-
-
-class Block(nn.Module):
-    """Pre-norm residual MLP block: x + W2 gelu(W1 norm(x)); (rows, hidden) -> (rows, hidden)."""
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 2 * hidden)
-        self.fc2 = nn.Linear(2 * hidden, hidden)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
-class PipeModel(nn.Module):
-    """embed (32 -> hidden) -> `layers` blocks -> head (hidden -> 10 classes)."""
-
-    def __init__(self, layers: int = 8, hidden: int = 64, features: int = 32, classes: int = 10):
-        super().__init__()
-        self.embed = nn.Linear(features, hidden)
-        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
-        self.head = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -452,7 +422,7 @@ class MeasuredStage(Stage):
     backward box opens when the gradient of the stage's output arrives and closes when the
     gradient of its input leaves: an _OnBackward marker at each end of the stage."""
 
-    def __init__(self, model: PipeModel, index: int, num_stages: int, layer_ms: float,
+    def __init__(self, model: ResidualMLP, index: int, num_stages: int, layer_ms: float,
                  recorder: Recorder):
         super().__init__(model, index, num_stages)
         self.recorder = recorder

@@ -242,9 +242,8 @@ def write_outputs(args, d, models, summary) -> None:
     the mode before the suffix); --metrics-out: every mode, with the contract's top-level fields
     taken from the first."""
     for mode, model in models.items():
-        path = None if args.export is None else (
-            args.export.with_name(f"{args.export.stem}.{mode}{args.export.suffix}")
-            if len(models) > 1 else args.export)
+        path = None if args.export is None else \
+            report.variant_path(args.export, mode, several=len(models) > 1)
         if d.rank == 0:
             summary[mode]["export"] = None if path is None else str(path)
             if path is not None:

@@ -388,9 +388,8 @@ def write_outputs(args, d, variants, rows) -> None:
     top-level fields taken from the first variant."""
     several = len(variants) > 1
     for v, row in zip(variants, rows):
-        row["export"] = None if args.export is None else str(
-            args.export.with_name(f"{args.export.stem}.{v.tag}{args.export.suffix}")
-            if several else args.export)
+        row["export"] = None if args.export is None else \
+            str(report.variant_path(args.export, v.tag, several))
         if d.rank == 0 and args.export:
             report.save_state_dict(row["export"], v.plain.state_dict())
     first = variants[0]

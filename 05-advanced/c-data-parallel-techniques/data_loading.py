@@ -276,8 +276,8 @@ def write_outputs(args, d, trained, rows, indices_per_rank, cache_path) -> None:
     suffix); --metrics-out: the rows, the sample indices each rank read in epoch 0, the kept
     cache file, and the contract's top-level fields taken from the first setting."""
     for model, row in zip(trained, rows):
-        row["export"] = None if args.export is None else str(
-            args.export.with_name(f"{args.export.stem}.{row['tag']}{args.export.suffix}"))
+        row["export"] = None if args.export is None else \
+            str(report.variant_path(args.export, row["tag"], several=len(rows) > 1))
         if d.rank == 0 and args.export:
             report.save_state_dict(row["export"], model.state_dict())
     per_rank = report.gather(report.held_bytes(params=trained[0].parameters(), device=d.device))

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, comm, launch, report
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
 
@@ -48,14 +48,8 @@ def build(args, d):
     torch.manual_seed(args.seed)
     model = MLP(args.hidden).to(d.device)
     ddp = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    allreduces = [0]
-
-    def counting_allreduce(state, bucket):
-        allreduces[0] += 1
-        grad = bucket.buffer().div_(d.world_size)  # average = sum / world, as DDP's default does
-        return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-    ddp.register_comm_hook(None, counting_allreduce)
+    allreduces = comm.counting_allreduce(d.world_size)
+    ddp.register_comm_hook(None, allreduces)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     return model, ddp, optimizer, allreduces
 
@@ -91,7 +85,7 @@ def first_step_both_ways(args, model, ddp, optimizer, allreduces, x_local, y_loc
     other = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
     other_norm = grad_norm(model)
     optimizer.zero_grad(set_to_none=True)
-    allreduces[0] = 0  # that extra all-reduce is not part of training
+    allreduces.calls = 0  # that extra all-reduce is not part of training
     step_loss = accumulate(ddp, x_local, y_local, micro, accum, divide=not args.buggy)
     norm = grad_norm(model)  # after the all-reduce: the same on every rank
     if args.buggy:
@@ -139,7 +133,7 @@ def train(args, d):
                           f"{norms[-1]:.4f}")
     elapsed = time.perf_counter() - t0
 
-    per_step = allreduces[0] / args.steps
+    per_step = allreduces.calls / args.steps
     report.print0(f"done: {args.steps} steps, all-reduces per optimizer step: {per_step:g} "
                   f"(no_sync on {accum - 1} of {accum} micro-steps)")
     per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,

@@ -237,9 +237,8 @@ def write_outputs(args, d, trained, rows) -> None:
     with the method before the suffix); --metrics-out: the rows, with the contract's top-level
     fields taken from the first method."""
     for (model, _), row in zip(trained, rows):
-        row["export"] = None if args.export is None else str(
-            args.export.with_name(f"{args.export.stem}.{row['method']}{args.export.suffix}")
-            if len(rows) > 1 else args.export)
+        row["export"] = None if args.export is None else \
+            str(report.variant_path(args.export, row["method"], several=len(rows) > 1))
         if d.rank == 0 and args.export:
             report.save_state_dict(row["export"], model.state_dict())
     model, optimizer = trained[0]
