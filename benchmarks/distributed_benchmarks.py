@@ -18,7 +18,8 @@ What each subcommand launches (torchrun --nproc_per_node=W for every world size 
     comm    04-nccl-operations/bandwidth_test.py: algbw and busbw per op and message size
     train   02-fsdp/fsdp_transformer.py (ddp and fsdp-* strategies, in one launch) and
             03-deepspeed/deepspeed_train.py (one launch per zero* config), which train the same
-            GPT (dtcourse.models.GPT) from the same flags, with the same batch per rank: tokens/s and scaling efficiency
+            GPT (dtcourse.models.GPT) from the same flags, with the same batch per rank: tokens/s
+            and scaling efficiency
             tokens/s(W) / (W x tokens/s(1)), per-rank bytes
     memory  the same scripts at one world size: each rank's measured `per_rank` bytes beside
             memory_estimator.py's prediction (exact, from the parameter shapes of the GPT

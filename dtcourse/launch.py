@@ -91,7 +91,9 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
 
 def slurm_port(job_id: str, step_id: str) -> int:
     """A port every task of one srun step derives alike: 20000 + (10 x job id + step id) mod
-    10000 (below Linux's ephemeral range, and different for consecutive steps of a job)."""
+    10000, below Linux's ephemeral ports (32768 and up). Steps 0-9 of a job get different ports;
+    two steps can still meet the same port (step 10 of job J and step 0 of job J+1, jobs 1000
+    apart, or torchrun's 29400/29500 on the same first node): set MASTER_PORT to choose one."""
     step = int(step_id) if step_id.isdigit() else 0  # 'batch' / 'extern' steps: 0
     return 20000 + (int(job_id) * 10 + step) % 10000
 
