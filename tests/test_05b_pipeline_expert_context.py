@@ -12,6 +12,7 @@ tensors a test needs, which the scripts themselves do not write.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from conftest import (
     read_json,
     readme_mentions,
     run_python,
+    run_readme_command,
     run_torchrun,
     torchrun_cmd,
 )
@@ -175,11 +177,88 @@ def test_1f1b_holds_at_most_p_microbatches_and_gpipe_holds_m(pp_sweep, p):
                     min(m, p - rank) * one[rank]["peak_activation_bytes"]
 
 
+# The README's schedule diagrams: what the script prints after its last step, p = 4, m = 4.
+DIAGRAM_DOCS = {
+    "gpipe": "torchrun --nproc_per_node=4 05-advanced/b-pipeline-expert-context/pipeline_parallel.py"
+             " --schedule gpipe --microbatches 4 --steps 2",
+    "1f1b": "torchrun --nproc_per_node=4 05-advanced/b-pipeline-expert-context/pipeline_parallel.py"
+            " --schedule 1f1b --microbatches 4 --steps 2",
+}
+OP = re.compile(r"^([FB])(\d+)(?:s(\d+))?$")
+
+
+def printed_schedule(stdout: str) -> list[str]:
+    """The lines `rank r  F0 F1 ...` the script prints under "last step's schedule"."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("last step's schedule"))
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.startswith("rank "):
+            break
+        rows.append(line)
+    return rows
+
+
+def check_schedule(rows: list[str], p: int, m: int, stages: int) -> int:
+    """A drawn schedule: every rank runs the forward and backward of each micro-batch on each of
+    its stages exactly once, one op per slot, and no op comes before its input: F_i on stage s
+    after F_i on stage s - 1, B_i on stage s after B_i on stage s + 1, B_i on the last stage
+    after F_i there. Returns its length in slots."""
+    assert [r.split()[:2] for r in rows] == [["rank", str(r)] for r in range(p)], rows
+    at = {}
+    for rank, row in enumerate(rows):
+        for slot, token in enumerate(row.split()[2:]):
+            if token == ".":
+                continue
+            kind, mb, stage = OP.match(token).groups()
+            op = (kind, rank if stage is None else int(stage), int(mb))
+            assert op not in at, f"{op} drawn twice"
+            at[op] = slot
+            assert op[1] % p == rank, f"stage {op[1]} drawn on rank {rank}"
+    assert set(at) == {(k, s, i) for k in "FB" for s in range(stages) for i in range(m)}, rows
+    for (kind, s, i), slot in at.items():
+        if kind == "F" and s > 0:
+            assert slot > at[("F", s - 1, i)], (kind, s, i)
+        if kind == "B":
+            assert slot > (at[("B", s + 1, i)] if s < stages - 1 else at[("F", s, i)]), \
+                (kind, s, i)
+    return 1 + max(at.values())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_printed_schedule_respects_every_dependency_and_lasts_2_m_plus_p_minus_1(schedule):
+    """GPipe and 1F1B: 2 (m + p - 1) slots, the m forwards and m backwards of a rank plus p - 1
+    slots of fill and p - 1 of drain; the README quotes exactly what the run prints."""
+    command = DIAGRAM_DOCS[schedule]
+    assert readme_mentions(SECTION, command), f"not in the README: {command}"
+    rows = printed_schedule(run_readme_command(command, timeout=120).stdout)
+    assert check_schedule(rows, p=4, m=4, stages=4) == 2 * (4 + 4 - 1)
+    assert "\n".join(rows) in SECTION.read_text(), "the README's diagram is not the printed one"
+
+
+def test_every_configurations_drawn_schedule_respects_its_dependencies(pp_gradients):
+    """The order each rank ran its ops in, for every implementation, schedule, p and m of the
+    worker, drawn by the script's draw_schedule: GPipe and 1F1B last 2 (m + p - 1) slots, the
+    interleaved schedule 2 (v m + p - 1) when p divides m (whole rounds)."""
+    pp = load_script(PP)
+    for key, got in pp_gradients.items():
+        size, _, schedule, micro = key.split("/")  # p{p}/{impl}/{schedule}/m{m}
+        p, m, stages = int(size[1:]), int(micro[1:]), got["stages"]
+        rows = pp.draw_schedule(got["orders"], stages).splitlines()
+        length = check_schedule(rows, p, m, stages)
+        if schedule != "interleaved":
+            assert length == 2 * (m + p - 1), (key, rows)
+        elif m % p == 0:
+            assert length == 2 * (stages // p * m + p - 1), (key, rows)
+
+
 def test_pipeline_training_export_equals_the_unsplit_model_trained_in_one_process(tmp_path):
     # world 2, the hand-written 1F1B: 8 micro-batches of 6 rows. (torch's schedules are held to
     # the same gradients by the sweep above; they share this script's export code.)
-    run_torchrun(PP, "--steps", "4", "--export", tmp_path / "w2.pt", "--metrics-out",
-                 tmp_path / "w2.json", nproc=2)
+    result = run_torchrun(PP, "--steps", "4", "--export", tmp_path / "w2.pt", "--metrics-out",
+                          tmp_path / "w2.json", nproc=2)
+    # the schedule it printed: 1F1B at p = 2, m = 8
+    assert check_schedule(printed_schedule(result.stdout), p=2, m=8, stages=2) == 2 * (8 + 2 - 1)
     run_python(FIGURES, tmp_path / "w2.json", tmp_path / "t.png")  # the last step's timeline
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     got, sd = read_json(tmp_path / "w2.json"), load_export(tmp_path / "w2.pt")

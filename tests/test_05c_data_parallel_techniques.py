@@ -287,10 +287,17 @@ def test_profiler_traces_and_summary(tmp_path):
         assert abs(sum(fractions.values()) - 1) < 1e-9
         # `other` >= 0: the labelled regions nest inside the profiler's steps.
         assert all(0 <= f <= 1 for f in fractions.values()), fractions
+    # Communication is the all-reduce share of the rank that reached it last (it waited for
+    # nobody); the other ranks' extra all-reduce time is waiting, reported apart.
     f = summary["comm_fraction"]
-    assert 0 < f < 1
+    shares = [r["fractions"]["allreduce"] for r in summary["per_rank"]]
+    assert 0 < f < 1 and f == min(shares)
+    assert summary["wait_fraction"] == pytest.approx([x - f for x in shares])
+    assert summary["weak_scaling_efficiency"] == pytest.approx(1 - f)
+    # Amdahl for this run's global batch on n ranks: one process computes it in 2 (1 - f) steps'
+    # worth of time, n ranks in 2 (1 - f) / n plus the all-reduce f, which does not shrink.
     for n, bound in summary["amdahl_bound"].items():
-        assert bound == pytest.approx(1 / (f + (1 - f) / int(n)))
+        assert bound == pytest.approx(2 * (1 - f) / (2 * (1 - f) / int(n) + f))
     # It trains (wait + warmup + active = 5 steps) and exports the plain MLP.
     assert len(summary["losses"]) == 5 and summary["global_batch"] == 2 * 256
     MLP(128).load_state_dict(load_export(tmp_path / "p.pt"), strict=True)

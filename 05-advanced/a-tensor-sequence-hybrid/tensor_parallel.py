@@ -24,8 +24,10 @@ the partial results are summed once. Two conjugate operators carry all the commu
 Attention splits the same way by heads: Q, K and V by columns (each rank owns heads/t heads), the
 output projection by rows. So each block costs 2 all-reduces of (b, s, h) forward and 2 backward.
 Sequence parallelism (Korthikanti et al. 2022) replaces each all-reduce by a reduce-scatter plus an
-all-gather (the same bytes) and keeps the activations between blocks sharded along the sequence, so
-LayerNorm and the residual stream stop being computed (and stored) t times.
+all-gather (the same bytes per layer) and keeps the activations between blocks sharded along the
+sequence, so LayerNorm and the residual stream stop being computed (and stored) t times. At the
+model's ends it adds an all-gather before the head (and its backward at the embedding), and an
+all-reduce of the norms' partial gradients.
 
 The dense model is the course's GPT (dtcourse.models); set-up, metrics, export and the collective
 counter come from the shared module dtcourse.

@@ -22,9 +22,11 @@ One MoE layer, per group of S tokens (GShard, Lepikhin et al. 2020; Switch, Fedu
     load-balancing loss: E * sum_e f_e P_e, f_e = share of tokens whose first choice is e,
             P_e = mean router probability of e; smallest (1) when the load is uniform.
 
-What crosses the network: each all-to-all moves the capacity slots, not the tokens: every rank
-sends E/W * groups * C * d values to each other rank, padding included, whatever the routing.
-The backward of an all-to-all is the reverse all-to-all, so the backward pass makes two more.
+What crosses the network: in this padded (GShard-style) dispatch each all-to-all moves the
+capacity slots, not the tokens: every rank sends E/W * groups * C * d values to each other rank,
+padding included, whatever the routing. (Dropless dispatchers, MegaBlocks or Megatron-Core's
+all-to-all dispatcher, send only the routed tokens in all-to-alls of uneven sizes.) The backward of
+an all-to-all is the reverse all-to-all, so the backward pass makes two more.
 """
 
 import math

@@ -11,21 +11,19 @@ Launch (from the repository root, with D=05-advanced/b-pipeline-expert-context):
     torchrun --nproc_per_node=2 $D/pipeline_parallel.py --impl torch --schedule interleaved
     torchrun --nproc_per_node=4 $D/pipeline_sweep.py ...          # bubble and memory for many m
 
-The mechanism, for p = 4 stages and m = 4 micro-batches (F = forward, B = backward, . = idle):
-
-    GPipe (all forwards, then all backwards)       1F1B (after a warm-up, one forward, one backward)
-    rank 0  F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3      F0 F1 F2 F3 .  .  B0 .  B1 .  B2 .  B3
-    rank 1  .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3 .        .  F0 F1 F2 .  B0 F3 B1 .  B2 .  B3 .
-    rank 2  .  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3 .  .        .  .  F0 F1 B0 F2 B1 F3 B2 .  B3 .  .
-    rank 3  .  .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .  .        .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
-    (drawn with B as long as F; the real B costs about 2 F)
+After its last step the script prints the schedule it ran: each rank's forwards (F) and
+backwards (B) of the m micro-batches, in the order the rank ran them, one slot per F or B and each
+as early as its input allows (the README shows GPipe and 1F1B for p = 4, m = 4). GPipe runs all
+forwards, then all backwards; 1F1B, after a warm-up of p - r - 1 forwards on rank r, alternates one
+forward and one backward.
 
 Both have the same bubble, (p - 1) / (m + p - 1) of the step: the fill and the drain of the pipe.
 They differ in memory: GPipe keeps the activations of all m micro-batches until the backward pass
 starts; 1F1B starts the backward of micro-batch 0 as soon as it can, so rank r holds at most p - r.
 Interleaved 1F1B gives each rank v smaller stages (rank r holds stages r, r + p, ...): the fill and
-drain are made of stages v times shorter, so the bubble shrinks to (p - 1) / (v m + p - 1), at the
-price of v times more point-to-point transfers.
+drain are made of stages v times shorter, so the bubble shrinks to (p - 1) / (v m + p - 1) (for
+whole rounds of p micro-batches: p divides m), at the price of v times more point-to-point
+transfers.
 
 Communication: the only traffic is point to point between neighbours: stage s sends its output
 activation (rows, hidden) to stage s + 1, and receives d(loss)/d(output) of the same shape back.
@@ -198,6 +196,60 @@ def one_f_one_b(run: ManualStage, link: Link, p: int, rank: int, m: int):
         dx = run.backward(i, None if last else link.recv_backward())
         if not first:
             link.send_backward(dx)
+
+
+# --------------------------------------------------------------------------------------------------
+# The schedule a step ran, drawn: every rank's forwards and backwards in the order it ran them (the
+# Recorder below notes them, for either implementation), one slot each, as early as data allows.
+
+
+def unit_slots(orders, n_stages: int):
+    """orders[r]: the (kind, stage, micro-batch) that rank r ran, in its order. Returns, per rank,
+    {slot: op}: every op takes one slot (a backward drawn as long as a forward) and starts as soon
+    as its rank is free and its input is there: F_i on stage s one slot after F_i on stage s - 1
+    has sent the activation, B_i on stage s after B_i on stage s + 1 has sent the gradient (B_i on
+    the last stage follows F_i, earlier on the same rank). The step of a pipe whose transfers are
+    free and whose stages cost the same."""
+    done = {}  # op -> the slot it ran in
+    free = [0] * len(orders)  # rank -> its first free slot
+    todo = [list(order) for order in orders]
+    slots = [{} for _ in orders]
+    while any(todo):
+        placed = 0
+        for r, queue in enumerate(todo):
+            while queue:
+                kind, s, i = queue[0]
+                src = (kind, s - 1 if kind == "F" else s + 1, i)  # who sends this op its input
+                if 0 <= src[1] < n_stages and src not in done:
+                    break  # not sent yet: another rank must move first
+                t = max(free[r], done.get(src, -1) + 1)
+                slots[r][t] = queue.pop(0)
+                done[(kind, s, i)], free[r] = t, t + 1
+                placed += 1
+        if not placed:
+            raise RuntimeError(f"these orders wait on each other forever: {todo}")
+    return slots
+
+
+def draw_schedule(orders, n_stages: int) -> str:
+    """One line per rank: F3 = forward of micro-batch 3, B3 its backward, . idle; with several
+    stages per rank (interleaved) F3s5 names the stage too."""
+    several = n_stages > len(orders)
+
+    def name(op):
+        kind, s, i = op
+        return f"{kind}{i}" + (f"s{s}" if several else "")
+    slots = unit_slots(orders, n_stages)
+    width = max(len(name(op)) for row in slots for op in row.values())
+    length = 1 + max(t for row in slots for t in row)
+    return "\n".join((f"rank {r}  " + " ".join((name(row[t]) if t in row else ".").ljust(width)
+                                               for t in range(length))).rstrip()
+                     for r, row in enumerate(slots))
+
+
+def ran(events):
+    """A rank's recorded boxes (kind, stage, micro-batch, start, end) -> its ops in order."""
+    return [tuple(e[:3]) for e in sorted(events, key=lambda e: e[3])]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -499,6 +551,9 @@ def report_run(args, d, pipe, optimizer, losses, samples_per_s):
                   f"micro-batches held per rank {[r['peak_held_microbatches'] for r in per_rank]}"
                   f" | peak activations per rank (KiB) "
                   f"{[round(r['peak_activation_bytes'] / 1024, 1) for r in per_rank]}")
+    report.print0("last step's schedule: one slot per forward F or backward B (drawn as long as "
+                  "F), each as early as its input allows")
+    report.print0(draw_schedule([ran(r["events"]) for r in per_rank], d.world_size * pipe.v))
     report.print0(f"done: {args.steps} steps, {samples_per_s:.0f} samples/s")
     metrics = report.metrics(
         d, script=SCRIPT, strategy="pipeline", steps=args.steps, global_batch=args.batch_size,

@@ -20,8 +20,11 @@ Forward, W steps; at step s rank r holds the key/value block of rank (r - s) mod
 Causal attention skips the blocks that lie wholly in the future (j > r) and masks the diagonal one.
 Backward, W more steps: the same ring carries k, v and their gradients dk, dv; each rank adds its
 queries' contribution to the block's dk, dv and passes them on, and after W hops every dk, dv
-is home. Scores are recomputed from q, k and the saved lse, as FlashAttention does, so memory
-stays O(T / W) per rank.
+is home. The k, v hops are overlapped as in forward; each dk, dv hop is waited for at once (the
+block's gradients leave only after this rank's share is added). Scores are recomputed from q, k
+and the saved lse, as FlashAttention does: the blocks a rank holds are O(T / W), and the score
+matrix of one pair of blocks, built whole by attend(), is (T / W)^2 per head (a flash kernel
+inside each block would tile it).
 """
 
 import statistics
@@ -149,6 +152,7 @@ class RingAttention(torch.autograd.Function):
             if s < W - 1 and not overlap:
                 pending = ring.start(kv, [shape, shape])
             if W > 1:  # the block's gradients travel on with it; after W hops they are home
+                # (waited for at once, in both modes: this hop is not overlapped)
                 dkv_in = ring.wait(ring.start((dk, dv), [shape, shape]))
             else:
                 dkv_in = (dk, dv)

@@ -11,7 +11,9 @@ Launch (from the repository root; rank 0 is the parameter server, ranks 1.. are 
            worker sets the pace: everyone waits for it at each all-reduce.
     local  every worker steps on its own gradients; every H steps the workers average their
            weights (one all-reduce per H steps). H = 1 is exactly synchronous SGD.
-    async  (Hogwild-style parameter server, Dean et al. 2012) each worker loops on its own:
+    async  (a parameter server as in Downpour SGD, Dean et al. 2012, "Large Scale Distributed
+           Deep Networks"; Hogwild!, Niu et al. 2011, is its lock-free shared-memory cousin)
+           each worker loops on its own:
              push (gradient, version of the weights it used) -> server applies it at once
              pull the server's newest weights
            nobody waits for anybody, but a gradient may have been computed on weights that

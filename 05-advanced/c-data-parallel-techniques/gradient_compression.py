@@ -162,7 +162,8 @@ class CollectiveBytes:
     payload, including the P and Q all-reduces PowerSGD launches from futures' callbacks. (A
     dispatcher-level counter such as dtcourse.comm.CollectiveCounter is thread-local: on gloo
     those callbacks run on the communication thread, and it sees only the first all-reduce.)
-    The count is the payload per rank; a ring all-reduce moves 2(W-1)/W of it over each link.
+    The count is the payload per rank. On the wire a ring all-reduce sends 2(W-1)/W x its payload
+    per rank, a ring all-gather (W-1) x its payload: top-k's advantage shrinks as W grows.
     """
 
     def __init__(self):

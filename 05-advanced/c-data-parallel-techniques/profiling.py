@@ -1,5 +1,6 @@
 """Profile data-parallel training with torch.profiler: one trace per rank, a compute vs
-communication table read back from the profile, and Amdahl's law on the measured fraction.
+communication table read back from the profile, and what the measured communication share says
+about scaling (weak scaling, and Amdahl's law for strong scaling).
 
 Launch (from the repository root):
     torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/profiling.py \\
@@ -17,7 +18,12 @@ The profiler runs on a schedule so that start-up does not pollute the numbers:
 
 Each step is labelled with record_function: data | forward | backward | allreduce | optimizer.
 Gradients are averaged by one explicit flat all-reduce after backward (no overlap), so the
-`allreduce` share is exactly the communication a step waits for: the serial part of Amdahl's law.
+`allreduce` label is all the time a rank spends in it: the transfer, plus, on a rank that arrives
+early, the wait for the slowest rank (load imbalance, not communication). The rank that arrives
+last waits for nobody: its share c is the communication itself. --batch-size is per rank (weak
+scaling): n ranks give about n (1 - c) times one rank's throughput while the all-reduce keeps its
+time, with no ceiling. Amdahl's law bounds strong scaling instead (a fixed global batch split n
+ways: compute shrinks, the all-reduce does not).
 """
 
 from contextlib import contextmanager
@@ -96,7 +102,7 @@ def profiled_training(args, d, model, optimizer, trace_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Reading the profile back, and Amdahl's law
+# Reading the profile back, and what the communication share bounds
 
 
 def fractions_of(prof) -> tuple[float, dict, list]:
@@ -112,9 +118,14 @@ def fractions_of(prof) -> tuple[float, dict, list]:
     return step_us, fractions, comm_ops
 
 
-def amdahl(serial: float, n: int) -> float:
-    """Speedup bound on n ranks when a fraction `serial` of the step does not shrink with n."""
-    return 1.0 / (serial + (1.0 - serial) / n)
+def strong_scaling_bound(comm: float, world: int, n: int) -> float:
+    """Amdahl's law for this run's global batch (world x --batch-size rows) split over n ranks.
+    Measured on `world` ranks, a step is compute (1 - comm) + all-reduce comm; one process does
+    the whole batch's compute, world (1 - comm), with no all-reduce; n ranks do world (1 - comm) / n
+    each, plus the all-reduce, which does not shrink. The speedup over one process is at most
+    world (1 - comm) / (world (1 - comm) / n + comm), and never above world (1 - comm) / comm."""
+    work = world * (1.0 - comm)
+    return work / (work / n + comm)
 
 
 def run(args, d):
@@ -131,8 +142,10 @@ def run(args, d):
     mine = report.held_bytes(params=model.parameters(), optimizer=optimizer, device=d.device)
     per_rank = report.gather({**mine, "step_ms": step_us / args.active / 1e3,
                               "fractions": fractions, "trace": str(trace_path)})
-    comm = sum(row["fractions"]["allreduce"] for row in per_rank) / d.world_size
-    bounds = {n: amdahl(comm, n) for n in (8, 64, 1024)}
+    # The rank that reached the all-reduce last waited for nobody: its share is the transfer.
+    shares = [row["fractions"]["allreduce"] for row in per_rank]
+    comm = min(shares)
+    bounds = {n: strong_scaling_bound(comm, d.world_size, n) for n in (8, 64, 1024)}
     print_table(args, d.world_size, per_rank, comm_ops, comm, bounds)
 
     losses = torch.stack(losses)
@@ -143,6 +156,7 @@ def run(args, d):
         global_batch=d.world_size * args.batch_size, losses=(losses / d.world_size).tolist(),
         samples_per_s=d.world_size * args.batch_size / (step_us / args.active / 1e6),
         per_rank=per_rank, active_steps=args.active, comm_fraction=comm, comm_ops=comm_ops,
+        wait_fraction=[x - comm for x in shares], weak_scaling_efficiency=1.0 - comm,
         amdahl_bound={str(n): b for n, b in bounds.items()})
     report.finish(args, metrics, model.state_dict())
 
@@ -156,9 +170,18 @@ def print_table(args, world, per_rank, comm_ops, comm, bounds) -> None:
         report.print0(f"{r:<5} {row['step_ms']:8.2f} " + " ".join(
             f"{row['fractions'][n]:9.1%}" for n in (*REGIONS, "other")))
     report.print0(f"communication ops seen in the profile: {', '.join(comm_ops)}")
-    limit = f"{1 / comm:.1f}x" if comm > 0 else "none"
-    report.print0(f"Amdahl: communication is {comm:.1%} of a step (mean over ranks); if it "
-                  f"stayed that long while the rest split n ways, the speedup is at most "
+    shares = [row["fractions"]["allreduce"] for row in per_rank]
+    last = shares.index(comm)
+    waits = ", ".join(f"rank {r} {x - comm:.1%}" for r, x in enumerate(shares) if r != last)
+    report.print0(f"communication: {comm:.1%} of a step, the all-reduce of rank {last}, the last "
+                  "to reach it; the other ranks' extra all-reduce time is waiting for it"
+                  + (f": {waits}" if waits else ""))
+    report.print0(f"weak scaling (--batch-size per rank, as run): n ranks give n x {1 - comm:.2f} "
+                  "the throughput of one process (no all-reduce) if the all-reduce keeps its "
+                  "time: no ceiling")
+    limit = f"{world * (1 - comm) / comm:.1f}x" if comm > 0 else "none"
+    report.print0("strong scaling (Amdahl: this run's global batch split n ways, the all-reduce "
+                  "not shrinking): speedup over one process at most "
                   + ", ".join(f"{b:.1f}x at {n}" for n, b in bounds.items())
                   + f" (limit {limit})")
 

@@ -2,8 +2,9 @@
 4): one step of every implementation and schedule of pipeline_parallel.py's Pipeline, for each
 pipeline size p (on ranks 0..p-1, the others waiting) and micro-batch count m, with micro-batches
 of 4 rows. Rank 0 saves, for every configuration the script accepts, the loss and the gradients
-of the whole model gathered from the stages, keyed 'p{p}/{impl}/{schedule}/m{m}'; the test
-compares them with the unsplit model's.
+of the whole model gathered from the stages, keyed 'p{p}/{impl}/{schedule}/m{m}', and the order in
+which each rank ran its forwards and backwards (what the script draws as the step's schedule); the
+test compares the gradients with the unsplit model's and checks the drawn schedules.
 """
 
 import argparse
@@ -26,21 +27,25 @@ ROWS = 4  # rows per micro-batch
 
 
 def one_config(model_args, d, p, group, impl, schedule, m):
-    """(loss, gradients of the unsplit model) on rank 0, None elsewhere; None if refused."""
+    """(loss, gradients of the unsplit model, every rank's order of ops) on rank 0, None
+    elsewhere; None if refused."""
     v, batch = pp.virtual_stages(schedule, 0), ROWS * m
     if pp.unsupported(impl, schedule, p, v, m, model_args.layers, batch):
         return None
-    loss = grads = None
+    loss = grads = order = None
     if d.rank < p:
         pipe = pp.Pipeline(model_args, impl, schedule, p, v, m, batch, d.rank, d.device, group)
         x, y = classification_batch(model_args.seed, 0, batch)
         loss = pipe.step(x, y)
         grads = pipe.full_state(grads=True)
+        order = pp.ran(pipe.recorder.events)
     parts = report.gather(grads)
+    orders = report.gather(order)[:p]
     # the loss lives on the last stage of the pipeline, rank p - 1
     held = loss.reshape(1) if loss is not None else torch.zeros(1, device=d.device)
     dist.broadcast(held, src=p - 1)
-    return {"loss": held.item(), "batch": batch, "grads": pp.merge(g for g in parts if g)}
+    return {"loss": held.item(), "batch": batch, "grads": pp.merge(g for g in parts if g),
+            "orders": orders, "stages": p * v}
 
 
 def main():
