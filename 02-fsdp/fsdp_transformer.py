@@ -85,6 +85,10 @@ def shard_model(model: GPT, strategy: str, mesh, args, device) -> None:
     Why per block: FSDP gathers one unit at a time, so peak memory holds the shards plus ~one
     block's full parameters; wrapping only the root would gather the whole model at once.
     Children first: a parameter belongs to the innermost fully_shard'ed module that owns it.
+    The root gets the strategy's reshard_after_forward too, so that `full` is FSDP1's FULL_SHARD
+    exactly. Left at FSDP2's default (None), the root would not reshard after forward (None means
+    True for the blocks, False for the root, which backward needs first) and skip its backward
+    all-gather.
     """
     kw = {"mesh": mesh, "reshard_after_forward": STRATEGIES[strategy][1]}
     if args.mixed_precision == "bf16":

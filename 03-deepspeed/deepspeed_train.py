@@ -42,7 +42,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from dtcourse import cli, launch, report  # noqa: E402
 from dtcourse.data import rank_rows, token_batch  # noqa: E402
-from dtcourse.models import GPT, init_gpt  # noqa: E402
+from dtcourse.models import GPT, gpt_init_value  # noqa: E402
 
 SCRIPT = "03-deepspeed/deepspeed_train.py"
 HERE = Path(__file__).resolve().parent
@@ -79,6 +79,8 @@ def check_zero(path: Path, config: dict) -> None:
         # Parameters can only leave the device when they are partitioned: stage 3.
         if key == "offload_param" and device != "none" and stage != 3:
             cli.fail(f"{path}: zero_optimization.offload_param needs stage 3, got stage {stage}")
+    # The course's rule, not DeepSpeed's: 0.19.8 would step an offloaded optimizer with
+    # torch.optim.AdamW when torch_adam is set; the offload lesson is about DeepSpeedCPUAdam.
     if offloaded(config, "offload_optimizer") and \
             config.get("optimizer", {}).get("params", {}).get("torch_adam"):
         cli.fail(f"{path}: offload_optimizer steps on the CPU with DeepSpeedCPUAdam: remove "
@@ -90,25 +92,37 @@ def check_zero(path: Path, config: dict) -> None:
 
 
 def build(args, config: dict, deepspeed):
-    """(engine, model, P): the shared GPT, its weights from init_gpt, wrapped by the engine."""
+    """(engine, model, P): the shared GPT, its weights from init_gpt's values, wrapped by the
+    engine."""
     stage = zero_stage(config)
-    # ZeRO-3 partitions each parameter as soon as its layer is built, so no rank ever holds the
-    # whole model; zero.Init is a no-op context for the other stages.
+    # ZeRO-3 partitions each parameter as soon as its layer is built, so the full model is never
+    # materialised while it is built; zero.Init is a no-op context for the other stages.
     with deepspeed.zero.Init(config_dict_or_path=config, enabled=stage == 3):
         model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers)
-    # Under zero.Init each rank now holds 1/N of every parameter (`p.ds_tensor`); `p` itself is an
-    # empty placeholder. To write initial values, gather the full tensors for a moment: inside
-    # GatheredParameters every parameter is whole on every rank; on exit rank 0's values (the
-    # modifier) are broadcast and partitioned again, so all ranks start from the same weights.
-    # At stages 0-2 the parameters are ordinary tensors and the context does nothing.
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0,
-                                           enabled=stage == 3):
-        init_gpt(model, args.seed)
+    init_weights(model, args.seed, deepspeed, stage)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     # The engine builds the optimizer, the LR scheduler and the ZeRO partitioning from the config.
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
     return engine, model, n_params
+
+
+@torch.no_grad()
+def init_weights(model, seed: int, deepspeed, stage: int) -> None:
+    """Give every parameter its value from init_gpt's scheme (gpt_init_value, per name), one
+    parameter at a time.
+
+    Under zero.Init each rank holds 1/N of every parameter (`p.ds_tensor`); `p` itself is an
+    empty placeholder. GatheredParameters([p]) all-gathers that one parameter for the length of
+    the `with`; on exit rank 0's values (the modifier) are broadcast and partitioned again, so all
+    ranks start from the same weights. One parameter at a time, the most any rank holds in full is
+    the largest parameter, never the model. At stages 0-2 the parameters are ordinary tensors and
+    the context does nothing.
+    """
+    layers = len(model.blocks)
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=stage == 3):
+            p.copy_(gpt_init_value(name, p.shape, seed, layers))
 
 
 def train_step(engine, x_local, y_local, micro: int, accum: int, device, after_backward=None):
@@ -169,14 +183,15 @@ def tensors_in(obj):
 def memory_census(engine, model, config) -> dict:
     """Bytes of model state this rank holds now, by role, read from the engine's own tensors.
 
-    weights: the module's parameters (stages 0-2: full, in DeepSpeed's flat buffer including its
-      alignment padding) or, at stage 3, this rank's partition of each (`ds_tensor`).
+    weights: the module's parameters (stages 1-2: full, in DeepSpeed's flat buffer including its
+      alignment padding; stage 0 in fp32: the module's own tensors) or, at stage 3, this rank's
+      partition of each (`ds_tensor`).
     master: the fp32 copy the optimizer steps. DeepSpeed's ZeRO 1-3 keep one for their partition
       even when training in fp32; at stage 0 in fp32 the optimizer steps the weights themselves.
     moments: Adam's exp_avg and exp_avg_sq (the 0-dim `step` counters are not counted).
-    grads: the module's .grad plus the gradient partitions ZeRO accumulates into.
+    grads: the module's .grad plus the gradient buffers ZeRO accumulates into and the master's.
     host: the part of these that offload keeps in CPU memory (on a CPU-only machine host and
-      device are the same memory; the split follows where offload puts each tensor).
+      device are the same memory; the split follows where DeepSpeed allocates each tensor).
     Attribute names are DeepSpeed 0.19's; the lesson's tests check the sums against the formulas.
     """
     opt = engine.optimizer
@@ -192,14 +207,22 @@ def memory_census(engine, model, config) -> dict:
         master = []  # the optimizer steps the module's own parameters
     moments = [v for state in inner.state.values() for v in state.values()
                if torch.is_tensor(v) and v.dim() > 0]
-    grads = [p.grad for p in params] + [getattr(p, "grad_accum", None) for p in params]
-    grads += [m.grad for m in master]
-    for name in ("averaged_gradients", "all_grad_tensors", "grad_partitions_flat_buffer",
-                 "fp32_groups_gradients_flat"):
+    master_grads = [m.grad for m in master]
+    # ZeRO's buffers that accumulate gradients over the micro-steps. Stage 3's
+    # `grad_partitions_flat_buffer` lives on `self.device`, which stage3.py sets to "cpu" when the
+    # optimizer is offloaded; stages 1-2 with offload accumulate in pinned host buffers,
+    # `accumulated_grads_in_cpu` (whole tensors of the parameters overlapping the partition).
+    # With offload the master's fp32 .grad is in host memory too: every gradient partition is.
+    zero_grads = []
+    for name in ("grad_partitions_flat_buffer", "accumulated_grads_in_cpu"):
+        zero_grads += tensors_in(getattr(opt, name, None))
+    grads = [p.grad for p in params] + [getattr(p, "grad_accum", None) for p in params] \
+        + zero_grads + master_grads
+    for name in ("averaged_gradients", "all_grad_tensors"):  # device-side, stages 1-3
         grads += tensors_in(getattr(opt, name, None))
     on_host = []
     if offloaded(config, "offload_optimizer"):
-        on_host += master + moments + [m.grad for m in master]
+        on_host += master + moments + master_grads + zero_grads
     if offloaded(config, "offload_param"):
         on_host += [getattr(p, "ds_tensor", None) for p in params]
     return {"param_bytes": storage_bytes(weights), "grad_bytes": storage_bytes(grads),
@@ -208,8 +231,9 @@ def memory_census(engine, model, config) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints: DeepSpeed writes one folder per tag (each rank its own shards); the `latest` file
-# names the newest complete one, and we write it ourselves, atomically, after everybody is done.
+# Checkpoints: DeepSpeed writes one folder per tag (at ZeRO stages each rank its own optimizer
+# partition, at stage 3 its own module file too); the `latest` file names the newest complete one,
+# and we write it ourselves, atomically, after everybody is done.
 
 
 def save_checkpoint(engine, ckpt_dir: Path, step: int, rank: int) -> None:

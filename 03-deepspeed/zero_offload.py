@@ -10,10 +10,14 @@ For each config the script trains a few steps of the same MLP and lists the byte
 of model state rank 0 holds and where it lives (the README shows a run).
 
 What offload moves (DeepSpeed's "ZeRO-Offload", Ren et al. 2021, and "ZeRO-Infinity", 2021):
-    offload_optimizer (stage 1-3): the fp32 master partition, its fp32 gradient partition and the
+    offload_optimizer (stage 1-3): the fp32 master partition, the gradient partitions (the
+        master's fp32 .grad, and at stage 3 also the buffer the backward accumulates into) and the
         Adam moments live in host memory, and DeepSpeedCPUAdam (a vectorised C++ Adam, compiled on
-        first use) runs the update on the CPU. Per step: gradients device -> host (4P/N bytes in
-        fp32 here, 2P/N in bf16), updated parameters host -> device.
+        first use) runs the update on the CPU. Each backward copies this rank's reduced
+        gradients device -> host (its partition: 4P/N bytes in fp32 here, 2P/N in bf16; while
+        accumulating, the running sum also comes back to the device to be added to, and stage 2
+        moves whole tensors of the parameters overlapping the partition); each step copies the
+        updated parameters host -> device.
     offload_param (stage 3 only): the parameter partitions live in host memory too; each layer's
         full parameters are all-gathered onto the device just in time, as stage 3 always does.
     device "nvme" (ZeRO-Infinity): the same tensors go to files under nvme_path, swapped in and
@@ -72,20 +76,25 @@ def where_is_everything(engine, config) -> dict:
     param_home = "host" if (zero_cfg.get("offload_param") or {}).get("device") == "cpu" \
         else "device"
     # ZeRO keeps each kind of state in flat per-group buffers (the module's tensors are views
-    # into them), so summing the buffers counts every byte once.
+    # into them), so summing the buffers counts every byte once. The gradient partition lives
+    # where the optimizer steps: stage3.py allocates `grad_partitions_flat_buffer` on
+    # `self.device`, "cpu" when the optimizer is offloaded; stages 1-2 with offload copy each
+    # reduced gradient straight into the master's .grad on the host (and accumulate micro-steps
+    # in `accumulated_grads_in_cpu`, host buffers), leaving no partition on the device.
     if hasattr(zero, "fp32_partitioned_groups_flat"):  # stage 3
         master = list(zero.fp32_partitioned_groups_flat)
         weights = list(zero.fp16_partitioned_groups_flat)  # this rank's partition only
         weights_home = param_home
-        grads = [zero.grad_partitions_flat_buffer]  # fp32 partition, filled during backward
+        grads = [zero.grad_partitions_flat_buffer]  # filled during backward, accumulated
     else:  # stages 1 and 2: every rank keeps all weights
         master = list(zero.single_partition_of_fp32_groups)
         weights, weights_home = list(zero.bit16_groups_flat), "device"
-        grads = [t for ts in (zero.averaged_gradients or {}).values() for t in (ts or [])]
+        grads = [t for ts in (zero.averaged_gradients or {}).values() for t in (ts or [])] \
+            + list(getattr(zero, "accumulated_grads_in_cpu", {}).values())
     moments = [t for t in report.optimizer_tensors(adam) if t.dim()]  # not the step counters
     return {
         "weights (working copy)": (report.tensor_bytes(weights), weights_home),
-        "gradient partition": (report.tensor_bytes(grads), "device"),
+        "gradient partition": (report.tensor_bytes(grads), opt_home),
         "fp32 master partition": (report.tensor_bytes(master), opt_home),
         "fp32 gradient of master": (report.tensor_bytes([m.grad for m in master]), opt_home),
         "Adam moments": (report.tensor_bytes(moments), opt_home),
@@ -221,8 +230,11 @@ def print_table(args, d, n_params: int, results: list) -> None:
 
 
 def print_estimator(args, world: int) -> None:
+    """DeepSpeed's tables for --estimate-params on one node of --estimate-gpus GPUs (default:
+    as many as this launch has ranks)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
+    world = args.estimate_gpus or world
     print(f"\nDeepSpeed's estimator for a {args.estimate_params / 1e9:g}B-parameter model on "
           f"{world} GPU(s):", flush=True)
     estimate_zero2_model_states_mem_needs_all_cold(int(args.estimate_params),
@@ -250,9 +262,12 @@ def parse_args(argv=None):
                    help="also print DeepSpeed's estimator tables for a model this size")
     p.add_argument("--estimate-largest-layer", type=float, default=8.0e7,
                    help="its largest layer (default: GPT-2 XL's 50257 x 1600 embedding)")
+    p.add_argument("--estimate-gpus", type=int,
+                   help="GPUs on one node for those tables (None: as many as the ranks launched)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    cli.check_positive(args, "steps", "batch_size", "layers", "width", "timeout_s")
+    cli.check_positive(args, "steps", "batch_size", "layers", "width", "estimate_gpus",
+                       "timeout_s")
     args.config_paths = []
     for name in args.configs:
         path = Path(name) if name.endswith(".json") else HERE / "configs" / f"{name}.json"

@@ -15,6 +15,7 @@ short (8 optimizer steps of the course's 110k-parameter GPT).
 """
 
 import importlib.util
+import itertools
 import json
 import math
 import shutil
@@ -192,14 +193,24 @@ def test_per_rank_bytes_follow_the_zero_formulas(runs):
     flat = math.ceil(P / (2 * N)) * 2 * N
     part12 = flat // N
     part3 = sum(math.ceil(p.numel() / N) for p in params)
+    # While it accumulates, stage 2 keeps whole gradients of the parameters whose elements overlap
+    # its partition of the flat buffer (with offload: in host buffers, accumulated_grads_in_cpu).
+    bounds = list(itertools.pairwise(itertools.accumulate((p.numel() for p in params), initial=0)))
+    overlap = [sum(b - a for a, b in bounds if a < (r + 1) * part12 and b > r * part12)
+               for r in range(N)]
     B = 4  # bytes per fp32 element
     expected = {  # param, grad (max over micro-steps), fp32 master, master + Adam moments, host
         "zero0_config": (B * P, B * P, 0, 2 * B * P, 0),
         "zero1_config": (B * flat, B * P, B * part12, 3 * B * part12, 0),
         "zero3_config": (B * part3, B * part3, B * part3, 3 * B * part3, 0),
-        "zero2_offload_config": (B * flat, B * part12, B * part12, 3 * B * part12, 4 * B * part12),
+        # host: master, its gradient, the moments, and the accumulation buffers
+        "zero2_offload_config": lambda r: (B * flat, B * (part12 + overlap[r]), B * part12,
+                                           3 * B * part12, B * (4 * part12 + overlap[r])),
+        # everything on the host: weights, the gradient partition the backward accumulates into
+        # (stage3.py allocates it on the host under offload_optimizer), the master's gradient,
+        # the master, the moments: 24P/N bytes in fp32
         "zero3_offload_config": (B * part3, 2 * B * part3, B * part3, 3 * B * part3,
-                                 5 * B * part3),
+                                 6 * B * part3),
     }
     keys = ("param_bytes", "grad_bytes", "master_bytes", "optim_bytes", "host_bytes")
     header = (f"{'config':22}{'params':>10}{'grads':>10}{'optim':>10}{'host':>10}"
@@ -215,11 +226,13 @@ def test_per_rank_bytes_follow_the_zero_formulas(runs):
                 # Stage 2 keeps whole gradient tensors of the parameters overlapping its partition
                 # while it accumulates; after the last micro-step, exactly its partition.
                 assert got["grad_bytes_per_micro_step"][-1] == B * part12
+                assert got["grad_bytes_per_micro_step"][0] == B * overlap[rank]
                 assert B * part12 <= got["grad_bytes"] <= B * (part12 + 2 * biggest) < B * P
                 assert [got[k] for k in keys if k != "grad_bytes"] == \
                     [B * flat, B * part12, 3 * B * part12, 0], (config, rank, got)
             else:
-                assert tuple(got[k] for k in keys) == expected[config], (config, rank, got)
+                want = expected[config](rank) if callable(expected[config]) else expected[config]
+                assert tuple(got[k] for k in keys) == want, (config, rank, got)
         r0 = ranks[0]
         offload = "offload" in config
         if "zero3" in config:
