@@ -72,6 +72,9 @@ class TiedLM(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied: one tensor, used twice, one gradient
+        # GPT-2's N(0, 0.02): the table also produces the logits, and torch's N(0, 1) default
+        # would start the loss far above ln(vocab).
+        nn.init.normal_(self.embed.weight, std=0.02)
 
     def forward(self, tokens):  # tokens: (B, T) -> logits (B, T, vocab)
         h = (self.embed(tokens) + self.pos[: tokens.shape[1]]) * self.feature_scale
