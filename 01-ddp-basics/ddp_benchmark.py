@@ -7,7 +7,8 @@ Launch (from the repository root):
     torchrun --nproc_per_node=8 01-ddp-basics/ddp_benchmark.py --device cuda   # one world size
 
 Without a launcher the script sweeps: it starts `torchrun --nproc_per_node=W` on itself for each
-W in --world-sizes, then prints the table and writes --json-out. Under torchrun or srun it measures
+W in --world-sizes, every W with the same OMP_NUM_THREADS (1 unless set: torchrun itself sets it
+only for W > 1), then prints the table and writes --json-out. Under torchrun or srun it measures
 that one world size.
 
 How a step is split: the same step is timed twice, alternating, with the same data:
@@ -74,6 +75,15 @@ def timed_step(ddp, opt, x, y, device, sync: bool) -> float:
     return time.perf_counter() - t0
 
 
+def bucket_sizes(ddp) -> list[int]:
+    """Bytes of each gradient bucket DDP all-reduces per step, as its logger reports them: after
+    the first step DDP rebuilds its buckets in the order gradients arrived (by default with a
+    first bucket of about 1 MiB)."""
+    data = ddp._get_ddp_logging_data()
+    sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", ""))
+    return [int(size) for size in sizes.split(",") if size.strip()]
+
+
 def measure(args, d) -> dict:
     """One world size (this process is a rank started by torchrun or srun): the row."""
     model, ddp, opt, x, y = build(args, d)
@@ -92,9 +102,11 @@ def measure(args, d) -> dict:
     step_s, compute_s = medians.tolist()
     params = sum(p.numel() for p in model.parameters())
     return {"world_size": d.world_size, "per_rank_batch": args.batch_size, "params": params,
-            "grad_bytes": report.tensor_bytes(model.parameters()), "step_time_s": step_s,
+            "grad_bytes": report.tensor_bytes(model.parameters()),
+            "bucket_bytes": bucket_sizes(ddp), "step_time_s": step_s,
             "compute_s": compute_s, "exposed_comm_s": max(0.0, step_s - compute_s),
             "samples_per_s": d.world_size * args.batch_size / step_s,
+            "threads_per_rank": torch.get_num_threads(),
             "backend": d.backend, "device": str(d.device), "torch_version": torch.__version__}
 
 
@@ -105,6 +117,9 @@ def measure(args, d) -> dict:
 def sweep(args, argv) -> list[dict]:
     """No launcher: run `torchrun --nproc_per_node=W` on this script for each W, then compare."""
     rows = []
+    # The same CPU threads per rank at every W: torchrun sets OMP_NUM_THREADS=1 only when it
+    # starts more than one process, which would give world 1 all the cores and bias the ratio.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.world_sizes:
             out = Path(tmp) / f"w{world}.json"
@@ -112,7 +127,7 @@ def sweep(args, argv) -> list[dict]:
             cmd = ["torchrun", "--standalone", f"--nproc_per_node={world}", __file__,
                    *strip_sweep_args(argv), "--json-out", str(out)]
             print(f"running world size {world} ...", flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             if proc.returncode != 0:
                 sys.exit(f"world size {world} failed:\n{proc.stderr[-3000:]}")
             rows += json.loads(out.read_text())
@@ -146,10 +161,12 @@ def print_table(rows) -> None:
         eff = "-" if r["scaling_efficiency"] is None else f"{100 * r['scaling_efficiency']:.0f}%"
         print(f"{r['world_size']:>5} {r['samples_per_s']:>10.0f} {1e3 * r['step_time_s']:>8.1f} "
               f"{1e3 * r['compute_s']:>11.1f} {1e3 * r['exposed_comm_s']:>16.1f} {eff:>11}")
+    buckets = rows[-1]["bucket_bytes"]
     print(f"model: {rows[0]['params'] / 1e6:.2f}M parameters "
-          f"({rows[0]['grad_bytes'] / 2**20:.1f} MiB of fp32 gradients all-reduced per step), "
+          f"({rows[0]['grad_bytes'] / 2**20:.1f} MiB of fp32 gradients all-reduced per step, in "
+          f"{len(buckets)} bucket(s) of {', '.join(f'{b / 2**20:.2f}' for b in buckets)} MiB), "
           f"{rows[0]['per_rank_batch']} samples per rank, {rows[0]['backend']} on "
-          f"{rows[0]['device']}", flush=True)
+          f"{rows[0]['device']}, {rows[0]['threads_per_rank']} CPU thread(s) per rank", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,7 +183,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4, help="MLP hidden layers")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps")
     p.add_argument("--iters", type=int, default=10, help="timed steps of each kind")
-    p.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP gradient bucket size")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP gradient bucket size in MiB (default: DDP's own, 25 MiB after a "
+                        "first bucket of 1 MiB)")
     args = p.parse_args(argv)
     try:
         args.world_sizes = [int(w) for w in args.world_sizes.split(",")]

@@ -6,6 +6,7 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 01-ddp-basics/ddp_mnist.py --dataset mnist --data-dir ~/data
     torchrun --nproc_per_node=8 01-ddp-basics/ddp_mnist.py --device cuda   # 8 GPUs, NCCL
     srun --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 python 01-ddp-basics/ddp_mnist.py
+    mpirun -np 2 python 01-ddp-basics/ddp_mnist.py                 # OpenMPI, one node
 
 By default the digits are synthetic (seven-segment digits with random shifts, stroke widths and
 noise, generated from --seed), so the lesson runs anywhere without a download. With
@@ -16,9 +17,10 @@ The three DDP ingredients, each marked below with "DDP:":
     2. a DistributedSampler, so each rank reads a different slice of every epoch;
     3. the model wrapped in DistributedDataParallel, which averages gradients during backward.
 
-This file writes the set-up of ingredient 1 out in full: which launcher started the process, who
-it is, where the ranks meet. Every later script of the course imports the same set-up from the
-shared module dtcourse.launch, which also knows the deepspeed launcher and mpirun.
+This file writes the set-up of ingredient 1 out in full: which launcher started the process
+(torchrun or any launcher that sets RANK, srun, mpirun), who it is, where the ranks meet. Every
+later script of the course imports the same set-up from the shared module dtcourse.launch, which
+also checks that the launcher's variables agree with each other.
 """
 
 import gc
@@ -34,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 from dtcourse import cli, report
 
@@ -47,7 +49,7 @@ SCRIPT = "01-ddp-basics/ddp_mnist.py"
 
 class Launch(NamedTuple):
     """This process's place in the job, as its launcher describes it."""
-    launcher: str            # torchrun, srun or python
+    launcher: str            # torchrun, mpirun, srun or python
     rank: int                # 0 .. world_size-1 over the whole job
     world_size: int          # number of processes
     local_rank: int          # number on this machine: which GPU it takes
@@ -75,14 +77,28 @@ def who_am_i(env) -> Launch:
     """Read the launcher's variables (`env` is os.environ).
 
     torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for each process it
-    starts. srun starts the processes itself and describes them in its own words; nobody tells
-    them where to meet, so every task derives the same answer from what srun gives them all: the
-    first host of the step's node list, and a port computed from the job and step ids. With no
-    launcher at all, the process is rank 0 of 1.
+    starts. mpirun and srun start the processes themselves and describe them in their own words;
+    nobody tells them where to meet. Under mpirun on one node that is this machine; across nodes
+    you pass the master with `-x MASTER_ADDR=... -x MASTER_PORT=...`. Under srun every task
+    derives the same answer from what srun gives them all: the first host of the step's node
+    list, and a port computed from the job and step ids. With no launcher at all, the process is
+    rank 0 of 1.
     """
     if "RANK" in env:  # torchrun (also `srun torchrun`, one torchrun per node: torchrun numbers)
         return Launch("torchrun", int(env["RANK"]), int(env["WORLD_SIZE"]),
                       int(env.get("LOCAL_RANK", 0)), env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+    if "OMPI_COMM_WORLD_RANK" in env:  # mpirun (OpenMPI)
+        world, here = int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            if here != world:  # several nodes: only you know which host runs rank 0
+                cli.fail(f"mpirun started {world} processes on several nodes ({here} on this one) "
+                         f"and MASTER_ADDR is not set: pass -x MASTER_ADDR=<rank 0's host> "
+                         f"-x MASTER_PORT=<port>")
+            addr = "127.0.0.1"  # one node: rank 0 is on this machine
+        return Launch("mpirun", int(env["OMPI_COMM_WORLD_RANK"]), world,
+                      int(env["OMPI_COMM_WORLD_LOCAL_RANK"]), addr,
+                      int(env.get("MASTER_PORT", "29500")))
     # An srun task. (A batch script's own process has SLURM_PROCID too, but it is not a task of a
     # step, SLURM_STEP_NUM_TASKS is unset: it runs as one process.)
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
@@ -167,11 +183,15 @@ def make_loaders(args, d: Dist, train_set, test_set):
     # the global batch a single process with batch W*B would read at step t.
     train_sampler = DistributedSampler(train_set, num_replicas=d.world_size, rank=d.rank,
                                        shuffle=True, seed=args.seed, drop_last=True)
-    test_sampler = DistributedSampler(test_set, num_replicas=d.world_size, rank=d.rank,
-                                      shuffle=False)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler,
                               drop_last=True, pin_memory=d.device.type == "cuda")
-    test_loader = DataLoader(test_set, batch_size=256, sampler=test_sampler)
+    # Evaluation: rank r scores test images r, r+W, r+2W, ...: every image exactly once. (A
+    # DistributedSampler pads the last round with repeats when W does not divide the test set, so
+    # some images would count twice.) Ranks may then see different numbers of test batches: fine,
+    # because the forward pass runs no collective here (no gradients, and ConvNet has no buffers
+    # for DDP to broadcast); the one collective of evaluate() comes after the loop.
+    test_loader = DataLoader(Subset(test_set, range(d.rank, len(test_set), d.world_size)),
+                             batch_size=256)
     return train_sampler, train_loader, test_loader
 
 
@@ -240,7 +260,9 @@ def train(args, d: Dist):
 
 def finish(args, d: Dist, model, optimizer, losses, accuracy_before, accuracies, samples_per_s):
     """Rank 0 writes --metrics-out and --export; every rank waits until they are complete."""
-    # Every rank holds a full replica: 16 bytes per parameter with Adam (4 + 4 grads + 8 moments).
+    # Every rank holds a full replica: with Adam, 4 bytes per parameter of weights, 4 of .grad and
+    # 8 of moments, the 16 that per_rank counts; DDP's gradient buckets (the default
+    # gradient_as_bucket_view=False keeps them beside .grad) hold 4 more, not counted here.
     per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,
                                                device=d.device))
     metrics = report.metrics(d, script=SCRIPT, strategy="ddp", steps=len(losses),

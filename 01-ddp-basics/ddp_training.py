@@ -54,16 +54,20 @@ def build(args, d):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     model = MLP(args.hidden).to(d.device)
-    # DDP broadcasts rank 0's weights at construction, so all replicas start equal.
-    ddp = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    # DDP broadcasts rank 0's weights at construction, so all replicas start equal. It all-reduces
+    # gradients in flat buckets; with gradient_as_bucket_view each .grad is a view into its
+    # bucket, so gradients are stored once (4 bytes per parameter). Without it (DDP's default) the
+    # buckets sit beside the .grad tensors and DDP copies between them: 4 more bytes per parameter.
+    ddp = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+              gradient_as_bucket_view=True)
 
     # Count the all-reduces DDP launches (one per gradient bucket) to see no_sync() at work: a
     # comm hook that averages each bucket as DDP's default does, and counts.
     allreduces = comm.counting_allreduce(d.world_size)
     ddp.register_comm_hook(None, allreduces)
 
-    # Linear scaling rule (Goyal et al. 2017): LR grows with the global batch; warmup avoids the
-    # early instability that a large LR causes on random weights.
+    # Linear scaling rule (Goyal et al. 2017, derived for SGD): LR grows with the global batch;
+    # warmup avoids the early instability that a large LR causes on random weights.
     peak_lr = args.lr * args.global_batch / args.base_batch
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=peak_lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -147,6 +151,9 @@ def resume(args, d, model, optimizer, scheduler, scaler) -> int:
     ckpt = latest_checkpoint(args.ckpt_dir)
     if ckpt is None:
         return 0
+    if ckpt["step"] > args.steps:  # every rank read the same file: every rank stops here
+        cli.fail(f"the newest checkpoint in {args.ckpt_dir} is at step {ckpt['step']}, past "
+                 f"--steps {args.steps}: raise --steps, or use another --ckpt-dir")
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
@@ -159,33 +166,20 @@ def resume(args, d, model, optimizer, scheduler, scaler) -> int:
     return ckpt["step"]
 
 
-
 # --------------------------------------------------------------------------------------------------
 # The loop
 
 
-def train(args, d):
-    if args.precision == "fp16" and d.device.type != "cuda":
-        cli.fail("--precision fp16 needs CUDA (GradScaler); use bf16 on CPU")
-    args.global_batch = d.world_size * args.batch_size * args.grad_accum
-    model, ddp, optimizer, scheduler, scaler, allreduces = build(args, d)
-    start_step = resume(args, d, model, optimizer, scheduler, scaler) if args.ckpt_dir else 0
-
-    # Preemption: SLURM (or torchrun on shutdown) sends SIGTERM. We only set a flag here; the
-    # training loop agrees on it across ranks (all-reduce MAX), checkpoints and exits cleanly.
-    stop = {"requested": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
-
-    report.print0(f"world {d.world_size} | device {d.device} | global batch {args.global_batch} "
-                  f"({d.world_size} ranks x {args.batch_size} x accum {args.grad_accum}) | lr "
-                  f"{optimizer.param_groups[0]['initial_lr']:g} (base {args.lr:g} x "
-                  f"{args.global_batch}/{args.base_batch})")
+def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, stop: dict):
+    """Steps start_step+1 .. --steps. Returns (losses, samples/s or None when no step was timed),
+    or None when the ranks stopped on a SIGTERM."""
     losses, t_start, timed_samples = [], None, 0
     bar = report.progress(args.steps, "train", initial=start_step)
     for step in range(start_step, args.steps):
         if step == start_step + 1:
             t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
         launch.inject_failure(args, d.rank, step)
+        lr = optimizer.param_groups[0]["lr"]  # the LR this step uses; the scheduler then moves it
         step_loss = train_step(args, d, ddp, optimizer, scheduler, scaler, step)
 
         # Report the mean loss over the global batch, and agree on a pending SIGTERM.
@@ -197,8 +191,7 @@ def train(args, d):
         done = step + 1
         bar.update(1)
         if d.rank == 0 and (done % args.log_every == 0 or done in (1, args.steps)):
-            bar.write(f"step {done:4d}/{args.steps} | loss {losses[-1]:.4f} | lr "
-                      f"{optimizer.param_groups[0]['lr']:.5f}")
+            bar.write(f"step {done:4d}/{args.steps} | loss {losses[-1]:.4f} | lr {lr:.5f}")
 
         preempted = flags[1].item() > 0  # every rank stops at the same step
         if args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
@@ -208,18 +201,60 @@ def train(args, d):
         if preempted:
             report.print0(f"SIGTERM: checkpointed step {done} to {args.ckpt_dir}; exiting")
             bar.close()
-            return
+            return None
     bar.close()
+    samples_per_s = timed_samples / (time.perf_counter() - t_start) if timed_samples else None
+    return losses, samples_per_s
 
-    elapsed = time.perf_counter() - t_start if t_start else float("nan")
-    samples_per_s = timed_samples / elapsed if timed_samples else float("nan")
-    report.print0(f"done: {args.steps - start_step} steps, {samples_per_s:.0f} samples/s, "
-                  f"all-reduce calls {allreduces.calls}")
-    per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,
-                                               device=d.device))
+
+def train(args, d):
+    if args.precision == "fp16" and d.device.type != "cuda":
+        cli.fail("--precision fp16 needs CUDA (GradScaler); use bf16 on CPU")
+    args.global_batch = d.world_size * args.batch_size * args.grad_accum
+    model, ddp, optimizer, scheduler, scaler, allreduces = build(args, d)
+    start_step = resume(args, d, model, optimizer, scheduler, scaler) if args.ckpt_dir else 0
+
+    # Preemption: SLURM (or torchrun on shutdown) sends SIGTERM. We only set a flag here; the
+    # training loop agrees on it across ranks (one all-reduce), checkpoints and exits cleanly.
+    stop = {"requested": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+
+    report.print0(f"world {d.world_size} | device {d.device} | global batch {args.global_batch} "
+                  f"({d.world_size} ranks x {args.batch_size} x accum {args.grad_accum}) | lr "
+                  f"{optimizer.param_groups[0]['initial_lr']:g} (base {args.lr:g} x "
+                  f"{args.global_batch}/{args.base_batch})")
+    if start_step == args.steps:  # a finished run launched again: export what it ended with
+        report.print0(f"nothing to train: {args.ckpt_dir} is already at step {start_step} "
+                      f"(--steps {args.steps})")
+        losses, samples_per_s = [], None
+    else:
+        result = loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step, stop)
+        if result is None:
+            return
+        losses, samples_per_s = result
+        rate = f"{samples_per_s:.0f} samples/s" if samples_per_s else \
+            "samples/s not measured (the first step is not timed)"
+        report.print0(f"done: {args.steps - start_step} steps, {rate}, all-reduce calls "
+                      f"{allreduces.calls}")
+    finish(args, d, model, ddp, optimizer, allreduces, losses, samples_per_s, start_step)
+
+
+def bucket_bytes(ddp) -> int:
+    """Bytes of DDP's flat gradient buckets, as DDP's own logger reports them."""
+    sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+    return sum(int(size) for size in sizes.split(",") if size.strip())
+
+
+def finish(args, d, model, ddp, optimizer, allreduces, losses, samples_per_s, start_step):
+    """Rank 0 writes --metrics-out and --export; every rank waits until they are complete."""
+    # Every rank holds a full replica: fp32 weights, Adam's two moments, and the gradients, which
+    # live in DDP's buckets (zero_grad(set_to_none=True) dropped the .grad views; the buckets
+    # stay allocated). 4 + 8 + 4 = 16 bytes per parameter.
+    held = report.held_bytes(params=model.parameters(), optimizer=optimizer, device=d.device)
+    held["grad_bytes"] = bucket_bytes(ddp)
     metrics = report.metrics(d, script=SCRIPT, strategy="ddp", steps=args.steps,
                              global_batch=args.global_batch, losses=losses,
-                             samples_per_s=samples_per_s, per_rank=per_rank,
+                             samples_per_s=samples_per_s, per_rank=report.gather(held),
                              start_step=start_step, grad_accum=args.grad_accum,
                              precision=args.precision, allreduce_calls=allreduces.calls)
     report.finish(args, metrics, model.state_dict())
@@ -255,20 +290,27 @@ def parse_args(argv=None):
 
 
 def spawn_worker(local_rank: int, nprocs: int, port: int, argv: list):
-    """mp.spawn calls this in each child with its index: set what torchrun would have set."""
+    """mp.spawn calls this in each child with its index: set the variables torchrun would have
+    set for it and that the set-up reads."""
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     main(argv)
 
 
 def spawn(args, argv):
-    """The alternative to torchrun: this process starts the ranks itself (one node only)."""
+    """The alternative to torchrun: this process starts the ranks itself, on this machine only
+    (several machines would each need a spawn with a rank offset: what torchrun does for you)."""
     import socket
 
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(os.environ.get("MASTER_PORT", s.getsockname()[1]))
+    # torchrun sets OMP_NUM_THREADS=1 when it starts more than one process per node and the
+    # variable is unset; so do we, before the children start, so that their torch reads it.
+    if args.spawn > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
     i = argv.index("--spawn") if "--spawn" in argv else None
     child_argv = argv[:i] + argv[i + 2:] if i is not None else \
         [a for a in argv if not a.startswith("--spawn=")]

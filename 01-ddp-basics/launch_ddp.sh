@@ -14,7 +14,8 @@
 #   bash 01-ddp-basics/launch_ddp.sh single --steps 20
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash 01-ddp-basics/launch_ddp.sh static   # on node0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash 01-ddp-basics/launch_ddp.sh static   # on node1
-#   NNODES=2 RDZV_ENDPOINT=node0:29400 bash 01-ddp-basics/launch_ddp.sh c10d          # on every node
+#   NNODES=2 RDZV_ENDPOINT=node0:29400 bash 01-ddp-basics/launch_ddp.sh c10d          # on every node,
+#                                                                    node0 included (it hosts the store)
 set -euo pipefail
 
 MODE=${1:?usage: launch_ddp.sh single|static|c10d|spawn|srun [script arguments...]}
@@ -40,8 +41,11 @@ static)
         --master_addr="${MASTER_ADDR:?set MASTER_ADDR}" --master_port="${MASTER_PORT:-29500}" \
         "$SCRIPT" "$@" ;;
 c10d)
-    # The nodes meet at a rendezvous server (hosted by the first agent to reach the endpoint) and
-    # are given their ranks; a restarted or replaced node can rejoin (elastic training).
+    # The nodes meet at a c10d rendezvous and are given their ranks there. Its TCP store is hosted
+    # by the agent on the host RDZV_ENDPOINT names (it recognises its own name or address), so that
+    # host must run this too, and the rendezvous lives as long as its agent. A failed or replaced
+    # node can rejoin only with MAX_RESTARTS > 0 (the agents then restart every worker; resume with
+    # --ckpt-dir) and the endpoint's node still up.
     exec torchrun --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
         --max-restarts="$MAX_RESTARTS" --rdzv_backend=c10d --rdzv_endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT host:port}" \
         --rdzv_id="${RDZV_ID:-ddp-job}" "$SCRIPT" "$@" ;;

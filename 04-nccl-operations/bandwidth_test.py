@@ -5,14 +5,16 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 04-nccl-operations/bandwidth_test.py --sizes 4K,1M --iters 5
     torchrun --nproc_per_node=4 04-nccl-operations/bandwidth_test.py --sizes 64M --json-out bw.json
     torchrun --nproc_per_node=8 04-nccl-operations/bandwidth_test.py --device cuda --link nvlink4
-    srun -N 2 --ntasks-per-node=8 python 04-nccl-operations/bandwidth_test.py --link ib-ndr
+    srun -N 2 --ntasks-per-node=8 python 04-nccl-operations/bandwidth_test.py --link ib-ndr --nics 8
 
 Definitions (nccl-tests doc/PERFORMANCE.md): algbw = S / t, with S the bytes of the op's largest
 buffer (the full tensor; for all_gather the gathered output, for reduce_scatter the input, for
 all_to_all one rank's whole send buffer). busbw = algbw x factor, the factor being the share of S
 that the busiest link must carry with an optimal algorithm: all_reduce 2(n-1)/n, all_gather,
 reduce_scatter and all_to_all (n-1)/n, broadcast, reduce and sendrecv 1. busbw is what you
-compare with the link's bandwidth (--link prints the ratio), whatever n is.
+compare with the link's bandwidth (--link prints the ratio), whatever n is. Across nodes the link
+is the node's network: NCCL spreads its rings over all of a node's NICs, so the reference is
+--nics x the per-NIC speed.
 
 Time: each iteration starts after a barrier (and device synchronisation); its time is the slowest
 rank's; the row shows the median over --iters. nccl-tests instead averages back-to-back launches,
@@ -69,6 +71,12 @@ LINKS = {
 # A well-tuned system reaches about 80% of the unidirectional spec at large messages (see the
 # README for the measurements behind this); that is the "realistic peak" --link compares with.
 REALISTIC_FRACTION = 0.80
+# The links between nodes: their speed is per NIC, and a node has --nics of them. Across nodes the
+# ring collectives reach the node's total NIC bandwidth; an all-to-all cannot aggregate a node's
+# NICs (nccl-tests issue #267) and a send/recv pair takes one path, so for those (and broadcast and
+# reduce, not checked) no network reference is printed.
+NETWORK_LINKS = tuple(name for name in LINKS if name.startswith(("ib-", "eth")))
+NIC_AGGREGATING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -205,7 +213,11 @@ def run(args, d) -> list[dict]:
         report.print0("note: sendrecv skipped: gloo cannot send to its own rank at world size 1")
     report.print0(f"bandwidth_test | world {d.world_size} | device {d.device} | backend "
                   f"{d.backend} | warmup {args.warmup}, iters {args.iters} (median)")
-    link = f"  % of {args.link} ({realistic(args.link):g} GB/s)" if args.link else ""
+    if args.link in NETWORK_LINKS and d.local_world_size == d.world_size:
+        report.print0(f"note: all {d.world_size} ranks are on one node, so no byte crosses a NIC; "
+                      f"--link {args.link} describes a link this run does not use")
+    link = (f"  % of {link_name(args.link, args.nics)} "
+            f"({realistic(args.link, args.nics):g} GB/s)" if args.link else "")
     report.print0(f"{'op':<15} {'dtype':<9} {'bytes':>10} {'time_us':>10} {'algbw_GBps':>11} "
                   f"{'busbw_GBps':>11} {'wrong':>6}{link}")
     rows = []
@@ -213,9 +225,13 @@ def run(args, d) -> list[dict]:
         for op in ops:
             for nbytes in args.size_list:
                 row = measure(op, nbytes, dtype_name, args, d.rank, d.world_size, d.device)
+                if args.link:  # added keys only: rows without --link keep the schema they had
+                    ref = reference_for(op, args.link, args.nics)
+                    row.update(link=args.link, nics=args.nics, reference_GBps=ref,
+                               pct_of_reference=100 * row["busbw_GBps"] / ref if ref else None)
                 rows.append(row)
-                pct = (f"  {100 * row['busbw_GBps'] / realistic(args.link):6.1f}%"
-                       if args.link else "")
+                pct = "" if not args.link else "        -" if row["pct_of_reference"] is None \
+                    else f"  {row['pct_of_reference']:6.1f}%"
                 report.print0(f"{op:<15} {dtype_name:<9} {row['bytes']:>10} "
                               f"{row['time_us']:>10.1f} {row['algbw_GBps']:>11.3f} "
                               f"{row['busbw_GBps']:>11.3f} {row['wrong']:>6}{pct}")
@@ -230,8 +246,23 @@ def run(args, d) -> list[dict]:
     return rows
 
 
-def realistic(link: str) -> float:
-    return LINKS[link][0] * REALISTIC_FRACTION
+def realistic(link: str, nics: int | None = None) -> float:
+    """The busbw a healthy system reaches on `link` (GB/s): 80% of its spec. A network link's spec
+    is per NIC; across nodes NCCL's channels, each a ring carrying a share of the data, leave the
+    node through all of its `nics` NICs, so all-reduce busbw reaches the node's NIC total, not one
+    NIC's (nccl-tests issues #119 and #290), as long as the links inside the node are faster."""
+    return LINKS[link][0] * (nics or 1) * REALISTIC_FRACTION
+
+
+def reference_for(op: str, link: str, nics: int | None) -> float | None:
+    """The realistic busbw `op` should reach on `link`, or None where the table says nothing."""
+    if link in NETWORK_LINKS and op not in NIC_AGGREGATING_OPS:
+        return None
+    return realistic(link, nics)
+
+
+def link_name(link: str, nics: int | None) -> str:
+    return f"{nics} x {link}" if nics else link
 
 
 
@@ -294,6 +325,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per row")
     p.add_argument("--link", help="print busbw as %% of this link's realistic peak: "
                    + ", ".join(LINKS))
+    p.add_argument("--nics", type=int, help="with a network --link (ib-*, eth*): the NICs of each "
+                   "node, which NCCL spreads inter-node traffic over; the peak is NICs x per-NIC")
     p.add_argument("--plot", type=Path, help="rank 0 writes a PNG of busbw vs size per op")
     args = p.parse_args(argv)
     args.size_list = [parse_size(s) for s in args.sizes.split(",")]
@@ -301,6 +334,12 @@ def parse_args(argv=None):
     args.dtype_list = parse_list(args.dtypes, list(DTYPES), "--dtypes")
     if args.link is not None and args.link not in LINKS:
         cli.fail(f"--link {args.link!r} is not in the table; choose from {', '.join(LINKS)}")
+    if args.link in NETWORK_LINKS and args.nics is None:
+        cli.fail(f"--link {args.link} is a speed per NIC: give the NICs per node with --nics N "
+                 f"(NCCL spreads inter-node traffic over all of them)")
+    if args.nics is not None and args.link not in NETWORK_LINKS:
+        cli.fail(f"--nics goes with a network --link ({', '.join(NETWORK_LINKS)})")
+    cli.check_positive(args, "nics")
     cli.check_positive(args, "iters", "timeout_s")
     if args.warmup < 0:
         cli.fail(f"--warmup must be at least 0, got {args.warmup}")

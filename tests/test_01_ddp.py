@@ -13,8 +13,10 @@ ones checked. They write under runs/ (git-ignored).
 """
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import (
     PYTHON,
     REPO,
@@ -38,7 +40,7 @@ BENCH = "01-ddp-basics/ddp_benchmark.py"
 LAUNCH = "01-ddp-basics/launch_ddp.sh"
 README = REPO / "01-ddp-basics" / "README.md"
 RUNS = REPO / "runs"
-CLOSE = dict(rtol=1e-5, atol=1e-6)
+CLOSE = {"rtol": 1e-5, "atol": 1e-6}
 
 # The lesson's README commands, run verbatim here (and so not again by test_readmes.py).
 FULL = "torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py --export runs/ddp_full.pt"
@@ -107,21 +109,46 @@ def test_metrics_follow_the_contract(accum_run):
     params = sum(t.numel() for t in weights.values())
     for held in m["per_rank"]:
         # DDP keeps a full replica on every rank: fp32 weights 4P and Adam's two moments 8P (plus
-        # a step counter per parameter tensor: 6 tensors x 4 bytes). Gradients were freed by
-        # zero_grad(set_to_none=True) after the last step, so 0 gradient bytes are held.
+        # a step counter per parameter tensor: 6 tensors x 4 bytes). The gradients live in DDP's
+        # flat buckets, 4P as DDP's logger reports them (with gradient_as_bucket_view each .grad
+        # is a view into them; zero_grad(set_to_none=True) drops the views, not the buckets).
+        # 16 bytes per parameter in all.
         assert held["param_bytes"] == 4 * params
         assert held["optim_bytes"] == 8 * params + 6 * 4
-        assert held["grad_bytes"] == 0
+        assert held["grad_bytes"] == 4 * params
         assert held["peak_bytes"] is None  # CPU
 
 
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(full_run):
-    readme_run(FIRST_HALF, "ddp_ckpt")
+    first = readme_run(FIRST_HALF, "ddp_ckpt")
     assert (RUNS / "ddp_ckpt" / "step_000020.pt").exists()
+    # The printed LR is the one the step used: step 1 of a 10-step warmup runs at 1/10 of 0.02.
+    assert "step    1/20 | loss 2.2772 | lr 0.00200" in first.stdout, first.stdout
     second = readme_run(SECOND_HALF, "ddp_resumed.pt")
     assert "resumed from step 20" in second.stdout
     assert_state_dicts_equal(load_export(RUNS / "ddp_resumed.pt"), full_run,
                              msg="resumed vs uninterrupted:")
+
+
+def test_a_finished_run_launched_again_exports_the_same_model(tmp_path):
+    """A checkpoint at --steps: nothing to train, the same export. Past --steps: exit 2 on every
+    rank, one line (training to step 2 from step 3 is impossible; one rank here, so no "[rank r]"
+    prefix). A run of one step times nothing and says so, instead of printing nan."""
+    ckpt, first, again = tmp_path / "ckpt", tmp_path / "first.pt", tmp_path / "again.pt"
+    common = [TRAIN, "--steps", "3", "--ckpt-dir", str(ckpt)]
+    run_python(*common, "--export", str(first))
+    result = run_python(*common, "--export", str(again), "--metrics-out", str(tmp_path / "m.json"))
+    assert f"nothing to train: {ckpt} is already at step 3 (--steps 3)" in result.stdout
+    assert "done:" not in result.stdout and "nan" not in result.stdout
+    assert_state_dicts_equal(load_export(again), load_export(first), msg="launched again:")
+    m = read_json(tmp_path / "m.json")
+    assert m["losses"] == [] and m["start_step"] == 3 and m["samples_per_s"] is None
+    past = run_python(TRAIN, "--steps", "2", "--ckpt-dir", str(ckpt), check=False)
+    message = (f"error: the newest checkpoint in {ckpt} is at step 3, past --steps 2: raise "
+               f"--steps, or use another --ckpt-dir")
+    assert past.returncode == 2 and past.stderr_lines() == [message], past.describe()
+    one = run_python(TRAIN, "--steps", "4", "--ckpt-dir", str(ckpt))
+    assert "done: 1 steps, samples/s not measured (the first step is not timed)" in one.stdout
 
 
 def test_spawn_and_c10d_launchers_give_the_same_model(tmp_path, full_run):
@@ -179,6 +206,37 @@ def test_mnist_same_result_under_python_torchrun_and_two_nodes(mnist_runs):
     assert abs(m1["test_accuracy"][-1] - mp_["test_accuracy"][-1]) <= 0.01
 
 
+def test_mnist_under_mpirun_equals_torchrun(tmp_path, mnist_runs):
+    """`mpirun -np 2 python ddp_mnist.py`: the script's own set-up reads OpenMPI's variables and
+    meets on this machine. Same 2 ranks, same arithmetic as one-node torchrun."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("OpenMPI is not installed (apt-get install openmpi-bin; .ci/run does)")
+    out = tmp_path / "mpirun.json"
+    # As root OpenMPI asks for two confirmations; oversubscribe: a machine may count fewer slots.
+    env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    launch(["mpirun", "-np", "2", "-x", "OMP_NUM_THREADS", "-x", f"MASTER_PORT={free_port()}",
+            PYTHON, MNIST, "--metrics-out", out], timeout=240, env=env)
+    m, ref = read_json(out), mnist_runs["one_node"]
+    assert m["world_size"] == 2
+    assert m["losses"] == ref["losses"] and m["test_accuracy"] == ref["test_accuracy"]
+
+
+def test_mnist_evaluation_counts_every_test_image_once():
+    """5 test images on 2 ranks: rank 0 scores 0, 2, 4 and rank 1 scores 1, 3; none twice (a
+    DistributedSampler would pad rank 1 with image 0)."""
+    mnist = load_script(MNIST)
+    args = SimpleNamespace(seed=0, batch_size=2)
+    train_set = mnist.TensorDataset(torch.zeros(8, 1), torch.zeros(8))
+    test_set = mnist.TensorDataset(torch.zeros(5, 1), torch.arange(5))
+    seen = []
+    for rank in range(2):
+        d = mnist.Dist(rank, 2, rank, torch.device("cpu"))
+        _, _, test_loader = mnist.make_loaders(args, d, train_set, test_set)
+        seen += [int(label) for _, labels in test_loader for label in labels]
+    assert sorted(seen) == [0, 1, 2, 3, 4]
+
+
 def test_mnist_under_srun_equals_torchrun(slurm, tmp_path, mnist_runs):
     """`srun -n 2 python ddp_mnist.py`: no torchrun; the script's own set-up reads SLURM's
     variables and meets at the first host of the step's node list. Same 2 ranks, same arithmetic
@@ -205,6 +263,13 @@ SRUN_NODES = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu1"
               "SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_NTASKS": "12",
               "SLURM_PROCID": "9", "SLURM_STEP_ID": "2", "SLURM_STEP_NODELIST": "gpu[07-09]",
               "SLURM_STEP_NUM_TASKS": "12", "SLURM_STEP_TASKS_PER_NODE": "4(x3)"}
+# Process 1 of `mpirun -np 2` on one host (no master given: this machine, port 29500), and
+# process 5 of `mpirun -np 8 -H a:4,b:4 -x MASTER_ADDR=a -x MASTER_PORT=29400`.
+MPIRUN_ONE_NODE = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+                   "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+MPIRUN_NODES = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+                "MASTER_ADDR": "a", "MASTER_PORT": "29400"}
 
 
 @pytest.mark.parametrize("env", [
@@ -215,9 +280,10 @@ SRUN_NODES = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu1"
     {**SRUN_NODES, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"},  # given: used as given
     {**SRUN_NODES, **TORCHRUN_ENV},  # `srun torchrun`: torchrun's numbering wins
     {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "vm", "SLURM_PROCID": "0"},  # a batch script
+    MPIRUN_ONE_NODE, MPIRUN_NODES,
 ], ids=["python", "torchrun", "srun-1-node", "srun-3-nodes", "srun-batch-step",
         "srun-job-nodelist", "srun-two-ranges", "srun-with-master", "torchrun-under-srun",
-        "sbatch-script"])
+        "sbatch-script", "mpirun-1-node", "mpirun-2-nodes"])
 def test_mnist_setup_reads_the_launcher_like_the_shared_module(env):
     from dtcourse.launch import detect
     mnist = load_script(MNIST)
@@ -227,6 +293,21 @@ def test_mnist_setup_reads_the_launcher_like_the_shared_module(env):
          shared.master_port)
     if env is SRUN_NODES:  # the first host of gpu[07-09], a port from job 4242 and step 2
         assert (mine.master_addr, mine.master_port) == ("gpu07", 20000 + (42420 + 2) % 10000)
+    if env is MPIRUN_ONE_NODE:
+        assert (mine.launcher, mine.master_addr, mine.master_port) == ("mpirun", "127.0.0.1", 29500)
+
+
+def test_mnist_setup_refuses_mpirun_on_several_nodes_without_a_master(capsys):
+    """Only the user knows which host runs rank 0: both set-ups stop with a message saying what
+    to pass, instead of N processes each waiting for a master on their own machine."""
+    from dtcourse.launch import LaunchError, detect
+    env = {k: v for k, v in MPIRUN_NODES.items() if not k.startswith("MASTER_")}
+    with pytest.raises(LaunchError, match="MASTER_ADDR is not set"):
+        detect(env)
+    with pytest.raises(SystemExit) as exit_info:
+        load_script(MNIST).who_am_i(env)
+    assert exit_info.value.code == 2
+    assert "pass -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<port>" in capsys.readouterr().err
 
 
 # Bad input (--batch-size 0, --device tpu, --device cuda without a GPU, missing MNIST, a world

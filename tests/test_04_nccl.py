@@ -212,15 +212,47 @@ def test_link_table_in_script_matches_readme():
 
 def test_bad_input_is_one_line_and_exit_2(world):
     _, result, _, _ = world
-    expected = {"--sizes": r"cannot read the size '12Q'", "--ops": r"--ops: unknown all_sum",
-                "--link": r"--link 'nvlink9' is not in the table", "--iters": r"--iters must be",
-                "--numel": r"--numel must be >= 1", "--timeout-s": r"--timeout-s must be positive"}
+    expected = {
+        "--sizes 4K,12Q": r"cannot read the size '12Q'", "--ops all_sum": r"--ops: unknown all_sum",
+        "--link nvlink9": r"--link 'nvlink9' is not in the table",
+        "--link ib-ndr": r"--link ib-ndr is a speed per NIC: give the NICs per node with --nics",
+        "--link nvlink4 --nics 8": r"--nics goes with a network --link",
+        "--link ib-ndr --nics 0": r"--nics must be at least 1, got 0",
+        "--iters 0": r"--iters must be", "--numel 0": r"--numel must be >= 1",
+        "--timeout-s 0": r"--timeout-s must be positive"}
     assert len(result["bad_inputs"]) == len(expected)
     for case in result["bad_inputs"]:
         # Bad input: exit status 2 and exactly one line on stderr, naming the problem.
         lines = case["stderr"].splitlines()
         assert case["exit"] == 2 and len(lines) == 1, case
-        assert re.match(r"\[rank \d\] error: " + expected[case["argv"][0]], lines[0]), case
+        assert re.match(r"\[rank \d\] error: " + expected[" ".join(case["argv"])], lines[0]), case
+
+
+def test_link_reference_counts_every_nic_of_a_node(world):
+    """Across nodes NCCL spreads a ring collective over all of a node's NICs: the realistic busbw
+    is NICs x per-NIC spec x 80% (8 NDR NICs: 320 GB/s; nccl-tests #119 expects 4 HDR NICs to
+    give 4 x 24 = 96 GB/s, above our 80% line of 80). An all-to-all cannot aggregate NICs: no
+    reference. Inside a node the link's own figure stands (NVLink 4: 450 x 80% = 360)."""
+    n, result, _, _ = world
+    assert result["references"] == {
+        "all_reduce ib-ndr x8": pytest.approx(8 * 50.0 * 0.8),
+        "reduce_scatter ib-hdr x4": pytest.approx(4 * 25.0 * 0.8),
+        "all_to_all ib-ndr x8": None,
+        "all_reduce nvlink4 xNone": pytest.approx(450.0 * 0.8),
+        "all_to_all nvlink4 xNone": pytest.approx(450.0 * 0.8)}
+    rows = result["link_rows"]
+    assert [r["op"] for r in rows] == ["all_reduce", "all_to_all"]
+    for r in rows:
+        assert (r["link"], r["nics"], r["world_size"]) == ("ib-ndr", 2, n)
+        if r["op"] == "all_reduce":
+            assert r["reference_GBps"] == pytest.approx(2 * 50.0 * 0.8)
+            assert r["pct_of_reference"] == pytest.approx(100 * r["busbw_GBps"] / 80.0)
+        else:
+            assert r["reference_GBps"] is None and r["pct_of_reference"] is None
+    printed = result["link_printed"]
+    assert "% of 2 x ib-ndr (80 GB/s)" in printed, printed
+    # torchrun put every rank on this machine: the run says that no NIC was crossed.
+    assert f"note: all {n} ranks are on one node, so no byte crosses a NIC" in printed, printed
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ group with the scripts' own set-up (dtcourse.launch) and calls, with it:
 - ring_allreduce's ring_all_reduce / naive_all_reduce against dist.all_reduce and a numpy float64
   reference, over numel x dtype x op, plus a sub-group that excludes rank 0;
 - point_to_point.run_patterns: the p2p patterns;
-- bandwidth_test.run with --json-out and --plot (the script's own output path), and a check
-  that its element-wise checker does count corrupted elements;
+- bandwidth_test.run with --json-out and --plot (the script's own output path), once more with
+  --link ib-ndr --nics 2 (what it prints and the reference it adds to each row), and a check that
+  its element-wise checker does count corrupted elements;
 - every script's argument checks on bad input (exit status 2 and one stderr line).
 
 Rank 0 writes OUT_DIR/result.json; the test asserts on it.
@@ -148,7 +149,10 @@ def bad_inputs(modules: dict) -> list[dict]:
     """Each script's argument checks (the same parse_args and fail() as on the command line):
     exit status and what lands on stderr, without paying a process start-up per case."""
     cases = [("bandwidth_test", ["--sizes", "4K,12Q"]), ("bandwidth_test", ["--ops", "all_sum"]),
-             ("bandwidth_test", ["--link", "nvlink9"]), ("ring_allreduce", ["--iters", "0"]),
+             ("bandwidth_test", ["--link", "nvlink9"]), ("bandwidth_test", ["--link", "ib-ndr"]),
+             ("bandwidth_test", ["--link", "nvlink4", "--nics", "8"]),
+             ("bandwidth_test", ["--link", "ib-ndr", "--nics", "0"]),
+             ("ring_allreduce", ["--iters", "0"]),
              ("point_to_point", ["--numel", "0"]), ("collective_ops", ["--timeout-s", "0"])]
     seen = []
     for name, argv in cases:
@@ -193,6 +197,20 @@ def main():
                               "--json-out", str(out_dir / "bandwidth.json"),
                               "--plot", str(out_dir / "bandwidth.png")])
         bw.run(args, d)
+        # --link with a per-NIC network speed: rows gain the reference (2 NICs x 80% of 50 GB/s)
+        # and the percentage; what rank 0 prints is kept to check the header and the note.
+        args = bw.parse_args(["--ops", "all_reduce,all_to_all", "--sizes", "4K", "--iters", "1",
+                              "--warmup", "0", "--link", "ib-ndr", "--nics", "2"])
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            result["link_rows"] = bw.run(args, d)
+        result["link_printed"] = printed.getvalue()
+        result["references"] = {f"{op} {link} x{nics}": bw.reference_for(op, link, nics)
+                                for op, link, nics in [("all_reduce", "ib-ndr", 8),
+                                                       ("reduce_scatter", "ib-hdr", 4),
+                                                       ("all_to_all", "ib-ndr", 8),
+                                                       ("all_reduce", "nvlink4", None),
+                                                       ("all_to_all", "nvlink4", None)]}
         if rank == 0:
             (out_dir / "result.json").write_text(json.dumps(result, indent=1))
         dist.barrier()
