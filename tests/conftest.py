@@ -48,6 +48,9 @@ def base_env(extra: dict | None = None) -> dict:
         PYTHONUNBUFFERED="1",
         CUDA_VISIBLE_DEVICES="",  # the suite proves the CPU path; GPUs are for the benchmarks
         PYTHONWARNINGS="ignore",
+        # A rank that aborts (SIGABRT, SIGSEGV) prints its Python stack: a rare failure in CI
+        # then explains itself in the test's output.
+        PYTHONFAULTHANDLER="1",
     )
     # Variables of an outer launcher would change what the child thinks its rank is.
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
