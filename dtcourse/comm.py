@@ -10,7 +10,9 @@ It sits at the dispatcher (a TorchDispatchMode), where every collective passes w
 collectives. Sizes follow nccl-tests: `tensor_bytes` is the whole tensor (the all-gather's output,
 the reduce-scatter's input, the all-reduced buffer); `sent_bytes` is what one rank sends with ring
 algorithms: 2(t-1)/t of it for an all-reduce over t ranks, (t-1)/t for all-gather, reduce-scatter
-and all-to-all, all of it for a broadcast or a send, nothing for a receive.
+and all-to-all, all of it for a broadcast or a send, nothing for a receive. A reduce is counted as
+(t-1)/t of the tensor: on a ring every rank but the root sends it once, (t-1)/t per rank on
+average (t reduces, each rank the root of one, send as much as one reduce-scatter).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 RING_SHARE = {"all_reduce": lambda t: 2 * (t - 1) / t, "all_gather": lambda t: (t - 1) / t,
               "reduce_scatter": lambda t: (t - 1) / t, "all_to_all": lambda t: (t - 1) / t,
-              "broadcast": lambda t: 1.0, "send": lambda t: 1.0, "recv": lambda t: 0.0}
+              "reduce": lambda t: (t - 1) / t, "broadcast": lambda t: 1.0,
+              "send": lambda t: 1.0, "recv": lambda t: 0.0}
 
 
 def _sizes(tensors) -> tuple[int, torch.dtype]:
@@ -53,6 +56,8 @@ def describe(name: str, args) -> dict | None:
             kind, (size, dtype), group = "reduce_scatter", _sizes(_flat(args[1])), args[2]
         elif op == "broadcast_":                                # (tensors, group, root, ...)
             kind, (size, dtype), group = "broadcast", _sizes(_flat(args[0])), args[1]
+        elif op == "reduce_":                                   # (tensors, group, op, root, ...)
+            kind, (size, dtype), group = "reduce", _sizes(_flat(args[0])), args[1]
         elif op in ("alltoall_base_", "alltoall_"):             # (output(s), input(s), group, ...)
             kind, (size, dtype), group = "all_to_all", _sizes(_flat([args[1]])), args[2]
         elif op in ("send", "recv_"):                           # (tensors, group, peer, tag)

@@ -12,6 +12,7 @@ way a reader would, and then compare the numbers those runs write (`--metrics-ou
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import quoted_output
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -262,6 +265,36 @@ def assert_state_dicts_close(actual: dict, expected: dict, *, rtol: float, atol:
                                    msg=lambda m, k=key: f"{msg} {k}: {m}")
 
 
+def assert_adamw_close(actual: dict, expected: dict, *, lr: float, steps: int,
+                       msg: str = "") -> None:
+    """Weights after `steps` AdamW steps (betas 0.9, 0.999) from the same start, computed two ways:
+    another layout, another rank count, another CPU's kernels. Their gradients differ by rounding.
+
+    On almost every coordinate that stays a rounding-level difference in the weights. But AdamW
+    divides each coordinate by sqrt(v): where a gradient is itself at rounding level, the rounding
+    decides the update, which can then differ by up to 2 x lr x (1 - beta1) / sqrt(1 - beta2)
+    = 6.3 lr per step (the largest |m/sqrt(v)| Adam can produce). Such coordinates are rare (one
+    in 16,384 seen). A bug (a rank on the wrong rows, a missed or doubled reduction, a stale shard)
+    moves most coordinates of the tensors it touches. So: in every tensor at most max(1, 0.1%) of
+    the elements may differ by more than rounding, and none by more than what AdamW can do in
+    `steps` steps. Rounding here is 1e-6 + 1e-5 relative plus a thousandth of that AdamW bound's
+    lr x steps: AdamW also grows ordinary relative gradient errors on coordinates whose gradient
+    is small next to sqrt(v) (world 4, AVX2 kernels: 25 of 16,384 weights at up to 5.8e-6 after 4
+    steps at lr 3e-3), far below the lr-sized moves of a bug."""
+    assert sorted(actual) == sorted(expected), f"{msg} keys differ: {sorted(actual)} vs " \
+                                               f"{sorted(expected)}"
+    bound = steps * 6.3 * lr
+    for key in expected:
+        a, e = actual[key].float(), expected[key].float()
+        assert a.shape == e.shape, f"{msg} {key}: shape {tuple(a.shape)} vs {tuple(e.shape)}"
+        diff = (a - e).abs()
+        beyond = int((diff > 1e-6 + 1e-3 * lr * steps + 1e-5 * e.abs()).sum())
+        allowed = max(1, e.numel() // 1000)
+        assert beyond <= allowed, (f"{msg} {key}: {beyond} of {e.numel()} elements differ by more "
+                                   f"than rounding (at most {allowed} may), max {diff.max():.3g}")
+        assert diff.max() <= bound, f"{msg} {key}: {diff.max():.3g} > {bound:.3g}"
+
+
 def assert_state_dicts_equal(actual: dict, expected: dict, msg: str = "") -> None:
     """Bitwise equality (resume tests: the same arithmetic in the same order)."""
     assert_state_dicts_close(actual, expected, rtol=0, atol=0, msg=msg)
@@ -312,6 +345,7 @@ def run_readme_command(command: str, *, timeout: float = 180, env: dict | None =
     ends with the comment `# exits N` (a documented failure). Only ports are chosen for it: torchrun
     reads PET_MASTER_PORT, the deepspeed launcher gets --master_port, scripts that start a process
     group themselves read MASTER_PORT."""
+    original = command
     expected = re.search(r"#\s*exits\s+(\d+)\s*$", command)
     port = free_port()
     extra = {"PET_MASTER_PORT": port, "MASTER_PORT": port}
@@ -322,7 +356,30 @@ def run_readme_command(command: str, *, timeout: float = 180, env: dict | None =
     result = launch(["bash", "-c", command], timeout=timeout, env=extra, check=False)
     want = int(expected.group(1)) if expected else 0
     assert result.returncode == want, f"expected exit status {want}\n{result.describe()}"
+    for quote in quoted_outputs_of(original):
+        problems = quoted_output.check(quote["quote"], result.stdout + "\n" + result.stderr,
+                                       quote["rel"])
+        assert not problems, (
+            f"{quote['doc'].relative_to(REPO)}:{quote['line']} quotes an output this run does not "
+            f"reproduce (see tests/quoted_output.py):\n  " + "\n  ".join(problems)
+            + f"\n{result.describe()}")
     return result
+
+
+def docs() -> list[Path]:
+    """Every Markdown file of the repository (hidden folders aside)."""
+    return sorted(p for p in REPO.rglob("*.md")
+                  if not any(part.startswith(".") for part in p.relative_to(REPO).parts))
+
+
+@functools.cache
+def quoted_pairs() -> tuple[dict, ...]:
+    return tuple(quoted_output.quoted_outputs(docs()))
+
+
+def quoted_outputs_of(command: str) -> list[dict]:
+    """The quoted outputs of a README command (a ```text block right after its ```bash block)."""
+    return [q for q in quoted_pairs() if q["commands"] == [command]]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ trimmed to what matters. detect() must return the rank, local rank, world size, 
 and port, and say in one message what is wrong when the variables contradict each other.
 """
 
+import json
 import subprocess
 import sys
 
@@ -157,3 +158,41 @@ def test_mlp_depth_keeps_the_state_dict_names():
                                                    for k in ("weight", "bias")]
     assert list(MLP(16, depth=1).state_dict()) == [f"net.{i}.{k}" for i in (0, 2)
                                                    for k in ("weight", "bias")]
+
+
+def test_cpu_runs_use_one_thread_per_rank_whatever_the_cores():
+    """CPU kernels split reductions by thread, so the thread count would change a loss's last
+    digits (measured: 2.4e-7 after 16 MNIST steps with 1 vs 2 threads), and AdamW grows such
+    differences. setup() pins one thread per rank, even when OMP_NUM_THREADS asks for more."""
+    code = ("import torch; from dtcourse import launch; d = launch.setup('cpu'); "
+            "print(torch.get_num_threads()); launch.teardown()")
+    out = subprocess.run([PYTHON, "-c", code], env=base_env({"OMP_NUM_THREADS": "2"}),
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1"], out.stdout
+
+
+def test_collective_counter_names_every_collective_and_its_bytes():
+    """In a group of one (gloo): each dist.* collective is recorded with its kind and the size of
+    its whole tensor (nccl-tests' convention); a ring over one rank sends nothing but a broadcast's
+    or a send's whole tensor."""
+    code = """
+import json, torch, torch.distributed as dist
+from dtcourse import launch
+from dtcourse.comm import CollectiveCounter
+d = launch.setup('cpu')
+x, out = torch.ones(8), torch.empty(8)
+with CollectiveCounter() as c:
+    dist.all_reduce(x); dist.reduce(x, dst=0); dist.broadcast(x, src=0)
+    dist.all_gather_into_tensor(out, x); dist.reduce_scatter_tensor(out, x)
+    dist.all_to_all_single(out, x)
+print(json.dumps(c.summary()))
+launch.teardown()
+"""
+    out = subprocess.run([PYTHON, "-c", code], env=base_env(), capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.splitlines()[-1])
+    assert {k: (s["calls"], s["tensor_bytes"], s["sent_bytes"]) for k, s in summary.items()} == {
+        "all_reduce": (1, 32, 0), "reduce": (1, 32, 0), "broadcast": (1, 32, 32),
+        "all_gather": (1, 32, 0), "reduce_scatter": (1, 32, 0), "all_to_all": (1, 32, 0)}

@@ -4,6 +4,8 @@ Convention (see conftest.readme_commands): each line of a ```bash block in any M
 repository is run verbatim through bash from the repository root; only a free port is injected
 (PET_MASTER_PORT for torchrun, --master_port for the deepspeed launcher, MASTER_PORT otherwise).
 A command that is meant to fail says so with a trailing comment `# exits N`, and must exit N.
+A ```text block right after a command's ```bash block is its output: every run of the command
+re-checks it (conftest.run_readme_command, tests/quoted_output.py).
 
 A lesson test may run a documented command itself, to check the numbers it writes (its
 --metrics-out, --export or --json-out files): such a test holds the command as a string literal,
@@ -16,7 +18,8 @@ import ast
 
 import pytest
 
-from conftest import REPO, readme_commands, run_readme_command
+import quoted_output
+from conftest import REPO, quoted_pairs, readme_commands, run_readme_command
 
 TEST_COMMAND = "pip install -r requirements.txt && python -m pytest tests"
 
@@ -65,3 +68,28 @@ def test_quick_start_commands_are_in_the_readme_and_ci():
 @pytest.mark.parametrize("doc,command", COMMANDS, ids=[f"{d}::{c[:70]}" for d, c in COMMANDS])
 def test_documented_command_runs(doc, command):
     run_readme_command(command, timeout=240)  # asserts the exit status (0, or N for `# exits N`)
+
+
+def test_every_quoted_output_belongs_to_one_command():
+    """A quoted output is checked against its command's run, so its ```bash block holds one
+    command, and it quotes nothing a rerun cannot reproduce (timestamps, addresses)."""
+    assert len(quoted_pairs()) >= 30
+    for pair in quoted_pairs():
+        where = f"{pair['doc'].relative_to(REPO)}:{pair['line']}"
+        assert len(pair["commands"]) == 1, f"{where}: {len(pair['commands'])} commands"
+        assert not quoted_output.FORBIDDEN.search(pair["quote"]), where
+
+
+def test_the_quote_check_catches_a_changed_number():
+    """The check compares integers exactly and decimals to their last quoted digit or 0.5%, skips
+    timings and `~` marks, and lets no line go missing."""
+    fresh = "step 10 | loss 2.3456 | 812 samples/s\nbytes 1,024 | bubble ~0.713\n"
+    assert quoted_output.check("step 10 | loss 2.3456 | 900 samples/s\n...\nbytes 1,024 | "
+                               "bubble ~0.500", fresh) == []
+    assert quoted_output.check("step 10 | loss 2.3457 | 812 samples/s", fresh) == []  # last digit
+    assert quoted_output.check("step 10 | loss 2.3500 | 812 samples/s", fresh) == []  # 0.2%
+    assert quoted_output.check("step 10 | loss 2.3600 | 812 samples/s", fresh)  # 0.6%
+    assert quoted_output.check("step 10 | loss 2.3600 | 812 samples/s", fresh, rel=0.02) == []
+    assert quoted_output.check("bytes 1,025 | bubble ~0.713", fresh)
+    assert quoted_output.check("step 11 | loss 2.3456 | 812 samples/s", fresh)
+    assert quoted_output.check("a line it never printed", fresh)
