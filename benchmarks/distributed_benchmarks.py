@@ -491,8 +491,9 @@ def run_train(args) -> None:
 
 def measured_bytes(record: dict, held: dict) -> dict:
     """One rank's `per_rank` entry in the estimator's terms. DeepSpeed's grad_bytes is the most
-    held during any micro-step; from stage 2 on the formula describes the partition it keeps
-    after the last one (while accumulating it keeps whole tensors that overlap its partition)."""
+    held during any micro-step; from stage 2 on the formula describes what it keeps after the
+    last one (while accumulating, stage 2 keeps whole tensors that overlap its partition; with
+    offload it keeps them in host buffers from step to step, which the estimator counts)."""
     grads = held["grad_bytes"]
     if record["script"] == DS_SCRIPT and record["strategy"] not in ("zero1",):
         grads = held["grad_bytes_per_micro_step"][-1]
@@ -523,7 +524,7 @@ def compare_memory(record: dict, args) -> list[dict]:
     rows = []
     for rank, held in enumerate(record["per_rank"]):
         kw = {"shard_size": args.shard_size if record["strategy"] == "fsdp-hybrid" else None,
-              "rank": rank}
+              "rank": rank, "grad_accum": args.grad_accum}
         library = me.estimate(P, record["world_size"], record["strategy"], precision, "library",
                               shapes=shapes, **kw)
         paper = me.estimate(P, record["world_size"], record["strategy"], precision, "paper", **kw)

@@ -25,8 +25,10 @@ parameters, N data-parallel ranks and Adam:
            ZeRO-3 / FSDP everything (16P/N).
 --accounting library counts what the libraries really keep (see the README): DeepSpeed's ZeRO 1-3
 keep an fp32 master partition even in fp32 training (ZeRO-3 fp32: 20P/N, not 16P/N) and pad
-their flat buffers; FSDP2 keeps fp32 shards of torch.chunk's uneven sizes and torch's Adam keeps a
-4-byte step counter per parameter tensor on every rank.
+their flat buffers; with offload_optimizer, ZeRO-3 keeps its gradient partition in host memory
+and ZeRO-2 under gradient accumulation keeps host buffers for whole gradients; FSDP2 keeps fp32
+shards of torch.chunk's uneven sizes and torch's Adam keeps a 4-byte step counter per parameter
+tensor on every rank.
 """
 
 import json
@@ -87,8 +89,15 @@ def held_elements(P: int, N: int, S: int, shapes, rank: int, exact: bool) -> dic
     if shapes:  # FSDP2: each tensor's rows split unevenly; DeepSpeed stage 3: ceil(numel/N) each
         out["fsdp"] = sum(chunk_rows(s[0], S, rank % S) * math.prod(s[1:]) for s in shapes)
         out["zero3"] = sum(math.ceil(math.prod(s) / N) for s in shapes)
+        # Stages 1-2: whole tensors of the parameters whose elements overlap this rank's
+        # partition [rank*p, (rank+1)*p) of the flat buffer (parameters flattened in order).
+        lo, hi, start, out["overlap"] = rank * out["part12"], (rank + 1) * out["part12"], 0, 0
+        for s in shapes:
+            end = start + math.prod(s)
+            out["overlap"] += end - start if start < hi and end > lo else 0
+            start = end
     else:  # shapes unknown: the even split (the padding, at most one row per tensor, is unknown)
-        out["fsdp"], out["zero3"] = P / S, P / N
+        out["fsdp"], out["zero3"], out["overlap"] = P / S, P / N, out["part12"]
     return out
 
 
@@ -97,7 +106,7 @@ def held_elements(P: int, N: int, S: int, shapes, rank: int, exact: bool) -> dic
 
 
 def model_states(P: int, N: int, strategy: str, precision: str, accounting: str, *, S: int,
-                 shapes=None, rank: int = 0, tensors: int = 0) -> dict:
+                 shapes=None, rank: int = 0, tensors: int = 0, grad_accum: int = 1) -> dict:
     """Bytes of weights, gradients and optimizer state on the device, and what offload keeps in
     host memory, for one rank. W = bytes of a working weight or gradient element."""
     W = 2 if precision == "mixed" else 4
@@ -138,7 +147,11 @@ def model_states(P: int, N: int, strategy: str, precision: str, accounting: str,
             dev.update(params=W * part, grads=W * part, optim=12 * part)
         elif strategy == "zero2-offload":  # reduced grads go straight into the host fp32 buffer
             dev["params"] = W * e["flat"]
-            host.update(grads=4 * part, optim=12 * part)
+            # With gradient accumulation DeepSpeed also keeps, in host memory and from step to
+            # step, whole W-byte gradients of the parameters overlapping the partition
+            # (`accumulated_grads_in_cpu` in stage_1_and_2.py).
+            buffers = W * e["overlap"] if grad_accum > 1 else 0
+            host.update(grads=4 * part + buffers, optim=12 * part)
         else:
             # zero3-offload: with offload_optimizer, DeepSpeed allocates the gradient partition
             # buffer in host memory (stage3.py), beside the fp32 gradient the CPU optimizer
@@ -168,13 +181,13 @@ def activation_bytes(precision: str, layers, hidden, heads, seq_len, batch_size,
 def estimate(params: int, world: int, strategy: str, precision: str = "fp32",
              accounting: str = "paper", *, shard_size=None, shapes=None, rank: int = 0,
              tensors=None, layers=None, hidden=None, heads=None, seq_len=None, batch_size=None,
-             activation_checkpointing: bool = False) -> dict:
+             activation_checkpointing: bool = False, grad_accum: int = 1) -> dict:
     """Per-rank bytes with the keys of --json-out (params/grads/optim are on the GPU)."""
     S = shard_size or math.gcd(world, 8)  # one node of 8 GPUs when the world allows it
     if tensors is None:
         tensors = len(shapes) if shapes else 0
     states = model_states(params, world, strategy, precision, accounting, S=S, shapes=shapes,
-                          rank=rank, tensors=tensors)
+                          rank=rank, tensors=tensors, grad_accum=grad_accum)
     dev, host = states["device"], states["host"]
     W = 2 if precision == "mixed" else 4
     # Gathered parameters that exist only for a while: grad-op keeps the whole model from
@@ -243,6 +256,9 @@ def parse_args(argv=None):
                    "rank's bytes exactly, uneven shards included (sets --params)")
     p.add_argument("--param-tensors", type=int, help="library: number of parameter tensors, for "
                    "torch Adam's 4-byte step counters (default: from --shapes, else 0)")
+    p.add_argument("--grad-accum", type=int, default=1, help="library: micro-steps per optimizer "
+                   "step (above 1, zero2-offload keeps host buffers for the whole gradients of "
+                   "the parameters overlapping its partition)")
     p.add_argument("--layers", type=int, help="transformer layers (activations; presets set it)")
     p.add_argument("--hidden", type=int, help="hidden size h")
     p.add_argument("--heads", type=int, help="attention heads a (default h/128)")
@@ -252,10 +268,23 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="keep only each layer's input; recompute the layer in backward")
     p.add_argument("--compare", action="store_true", help="every strategy side by side")
+    p.add_argument("--fits", type=float, metavar="GB", help="instead of one model: for each "
+                   "strategy, the largest model whose model states fit in GB (1e9 bytes) per GPU "
+                   "at --world-size, in fp32 and in mixed precision (paper accounting)")
     p.add_argument("--json-out", type=Path, help="write the estimate(s) here as JSON")
     args = p.parse_args(argv)
 
     args.shape_list = parse_shapes(args.shapes) if args.shapes else None
+    if args.fits is not None:
+        if args.fits <= 0:
+            fail(f"--fits must be a positive number of GB, got {args.fits}")
+        if args.params is not None or args.shapes is not None:
+            fail("--fits finds the largest model itself: leave out --params and --shapes")
+        if args.accounting != "paper":
+            fail("--fits uses the paper's formulas (linear in P): leave out --accounting")
+        if args.world_size < 1:
+            fail(f"--world-size must be at least 1, got {args.world_size}")
+        return args
     if args.params is None and args.shape_list is None:
         fail("give --params (a number or a preset) or --shapes")
     preset = None
@@ -284,7 +313,7 @@ def parse_args(argv=None):
                 setattr(args, name, value)
     if args.hidden and args.heads is None:
         args.heads = max(1, args.hidden // 128)
-    for name in ("layers", "hidden", "heads", "seq_len", "batch_size"):
+    for name in ("layers", "hidden", "heads", "seq_len", "batch_size", "grad_accum"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     needed = ("layers", "hidden", "seq_len")
@@ -302,7 +331,8 @@ def run_estimate(args, strategy: str, rank: int = 0) -> dict:
                     shard_size=args.shard_size, shapes=args.shape_list, rank=rank,
                     tensors=args.param_tensors, layers=args.layers, hidden=args.hidden,
                     heads=args.heads, seq_len=args.seq_len, batch_size=args.batch_size,
-                    activation_checkpointing=args.activation_checkpointing)
+                    activation_checkpointing=args.activation_checkpointing,
+                    grad_accum=args.grad_accum)
 
 
 def header(args) -> str:
@@ -313,8 +343,9 @@ def header(args) -> str:
         act = (f" | activations: {args.layers} layers, h {args.hidden}, {args.heads} heads, "
                f"seq {args.seq_len}, batch {args.batch_size}/rank"
                f"{', checkpointed' if args.activation_checkpointing else ''}")
+    accum = f" | grad-accum {args.grad_accum}" if args.grad_accum > 1 else ""
     return (f"P = {args.P:,} parameters{name} | world {args.world_size} | {prec} | accounting "
-            f"{args.accounting}{act}")
+            f"{args.accounting}{accum}{act}")
 
 
 def table(rows: list, P: int, in_bytes: bool) -> list[str]:
@@ -330,13 +361,41 @@ def table(rows: list, P: int, in_bytes: bool) -> list[str]:
     return lines
 
 
+def largest_models(gb: float, world: int, shard_size=None) -> list[str]:
+    """Per strategy, bytes per parameter on each GPU and the largest P whose model states fit in
+    `gb` GB per GPU: weights, gradients and Adam, before activations and buffers. The formulas
+    are linear in P, so the largest P is gb / (bytes per parameter)."""
+    S = shard_size or math.gcd(world, 8)
+    lines = [f"largest model whose model states fit in {gb:g} GB per GPU | world {world} | paper "
+             f"accounting | fsdp-hybrid: shard groups of {S} | before activations, buffers and "
+             "fragmentation",
+             f"{'':15}{'fp32 B/param':>13}{'largest P':>11}{'mixed B/param':>15}{'largest P':>11}"
+             "   host B/param (fp32 / mixed)"]
+    for strategy in STRATEGIES:
+        row, host = f"{strategy:15}", []
+        for precision, width in (("fp32", 13), ("mixed", 15)):
+            est = estimate(10**9, world, strategy, precision, "paper", shard_size=shard_size)
+            # total_bytes: what the GPU holds, the full weights grad-op keeps from forward to
+            # backward included
+            per_param = est["total_bytes"] / 10**9
+            largest = "no limit" if per_param == 0 else f"{gb / per_param:.1f}B"
+            row += f"{per_param:>{width}.2f}{largest:>11}"
+            host.append(f"{est['host_bytes'] / 10**9:.2f}")
+        lines.append(row + ("   " + " / ".join(host) if "offload" in strategy else ""))
+    return lines
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.fits is not None:
+        print("\n".join(largest_models(args.fits, args.world_size, args.shard_size)))
+        return
     strategies = list(STRATEGIES) if args.compare else [args.strategy]
     in_bytes = args.P < 1e7  # a toy model: show every byte
     print(header(args) + (" | bytes per rank" if in_bytes else " | GB = 1e9 bytes, per GPU"))
     out = {"params": args.P, "preset": args.preset, "world_size": args.world_size,
            "precision": args.precision, "accounting": args.accounting,
+           "grad_accum": args.grad_accum,
            "shard_size": args.shard_size or math.gcd(args.world_size, 8)}
     if args.shape_list is not None:
         # Every rank: FSDP2's uneven shards give different ranks different bytes.
