@@ -155,12 +155,24 @@ def strip_sweep_args(argv):
 
 
 def print_table(rows) -> None:
+    """The sweep's table. Every measured column is printed with a leading `~`: it depends on the
+    machine's speed and load, not on the code (world sizes are exact, and so is world 1's
+    efficiency, 100% by definition)."""
+    def approx(x: float, decimals: int, width: int, suffix: str = "") -> str:
+        return f"~{x:.{decimals}f}{suffix}".rjust(width)
+
     print(f"{'world':>5} {'samples/s':>10} {'step ms':>8} {'compute ms':>11} "
-          f"{'exposed comm ms':>16} {'efficiency':>11}")
+          f"{'exposed comm ms':>16} {'efficiency':>11}   (~: depends on the machine's speed)")
     for r in rows:
-        eff = "-" if r["scaling_efficiency"] is None else f"{100 * r['scaling_efficiency']:.0f}%"
-        print(f"{r['world_size']:>5} {r['samples_per_s']:>10.0f} {1e3 * r['step_time_s']:>8.1f} "
-              f"{1e3 * r['compute_s']:>11.1f} {1e3 * r['exposed_comm_s']:>16.1f} {eff:>11}")
+        if r["scaling_efficiency"] is None:
+            eff = "-".rjust(11)
+        elif r["world_size"] == 1:  # the reference itself
+            eff = f"{100 * r['scaling_efficiency']:.0f}%".rjust(11)
+        else:
+            eff = approx(100 * r["scaling_efficiency"], 0, 11, "%")
+        print(f"{r['world_size']:>5} {approx(r['samples_per_s'], 0, 10)} "
+              f"{approx(1e3 * r['step_time_s'], 1, 8)} {approx(1e3 * r['compute_s'], 1, 11)} "
+              f"{approx(1e3 * r['exposed_comm_s'], 1, 16)} {eff}")
     buckets = rows[-1]["bucket_bytes"]
     print(f"model: {rows[0]['params'] / 1e6:.2f}M parameters "
           f"({rows[0]['grad_bytes'] / 2**20:.1f} MiB of fp32 gradients all-reduced per step, in "

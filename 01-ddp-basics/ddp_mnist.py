@@ -135,6 +135,8 @@ def init_distributed(device_arg: str, timeout_s: float) -> Dist:
     device = choose_device(device_arg, me)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL works on the current device: set it first
+    else:  # one CPU thread per rank: more would split reductions by core count, changing digits
+        torch.set_num_threads(1)
     # DDP (1): every rank joins the group. gloo runs on CPU tensors, NCCL on GPU tensors. The
     # timeout bounds every collective: a rank that never arrives becomes an error, not a hang.
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -173,14 +173,19 @@ def resume(args, d, model, optimizer, scheduler, scaler) -> int:
 def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, stop: dict):
     """Steps start_step+1 .. --steps. Returns (losses, samples/s or None when no step was timed),
     or None when the ranks stopped on a SIGTERM."""
-    losses, t_start, timed_samples = [], None, 0
+    losses, t_start, timed_samples, comms = [], None, 0, {}
     bar = report.progress(args.steps, "train", initial=start_step)
     for step in range(start_step, args.steps):
         if step == start_step + 1:
             t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
         launch.inject_failure(args, d.rank, step)
         lr = optimizer.param_groups[0]["lr"]  # the LR this step uses; the scheduler then moves it
-        step_loss = train_step(args, d, ddp, optimizer, scheduler, scaler, step)
+        # Count what the last step sends (DDP's bucket all-reduces, as the dispatcher sees them).
+        counter = comm.CollectiveCounter() if step == args.steps - 1 else contextlib.nullcontext()
+        with counter:
+            step_loss = train_step(args, d, ddp, optimizer, scheduler, scaler, step)
+        if step == args.steps - 1:
+            comms = counter.summary()
 
         # Report the mean loss over the global batch, and agree on a pending SIGTERM.
         # One small all-reduce: [sum of rank losses, number of ranks that received SIGTERM].
@@ -204,7 +209,7 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, sto
             return None
     bar.close()
     samples_per_s = timed_samples / (time.perf_counter() - t_start) if timed_samples else None
-    return losses, samples_per_s
+    return losses, samples_per_s, comms
 
 
 def train(args, d):
@@ -226,17 +231,24 @@ def train(args, d):
     if start_step == args.steps:  # a finished run launched again: export what it ended with
         report.print0(f"nothing to train: {args.ckpt_dir} is already at step {start_step} "
                       f"(--steps {args.steps})")
-        losses, samples_per_s = [], None
+        losses, samples_per_s, comms = [], None, {}
     else:
         result = loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step, stop)
         if result is None:
             return
-        losses, samples_per_s = result
+        losses, samples_per_s, comms = result
         rate = f"{samples_per_s:.0f} samples/s" if samples_per_s else \
             "samples/s not measured (the first step is not timed)"
         report.print0(f"done: {args.steps - start_step} steps, {rate}, all-reduce calls "
                       f"{allreduces.calls}")
-    finish(args, d, model, ddp, optimizer, allreduces, losses, samples_per_s, start_step)
+        if "all_reduce" in comms:
+            # A ring all-reduce of the gradient bytes G sends 2(N-1)/N x G from every rank.
+            s, n = comms["all_reduce"], d.world_size
+            G = sum(p.numel() * p.element_size() for p in model.parameters())
+            report.print0(f"last step: all-reduced {s['tensor_bytes']:,} B of gradients in "
+                          f"{s['calls']} bucket(s); this rank sent {s['sent_bytes']:,} B = "
+                          f"2(N-1)/N x {G:,} B")
+    finish(args, d, model, ddp, optimizer, allreduces, losses, samples_per_s, start_step, comms)
 
 
 def bucket_bytes(ddp) -> int:
@@ -245,7 +257,8 @@ def bucket_bytes(ddp) -> int:
     return sum(int(size) for size in sizes.split(",") if size.strip())
 
 
-def finish(args, d, model, ddp, optimizer, allreduces, losses, samples_per_s, start_step):
+def finish(args, d, model, ddp, optimizer, allreduces, losses, samples_per_s, start_step,
+           comms):
     """Rank 0 writes --metrics-out and --export; every rank waits until they are complete."""
     # Every rank holds a full replica: fp32 weights, Adam's two moments, and the gradients, which
     # live in DDP's buckets (zero_grad(set_to_none=True) dropped the .grad views; the buckets
@@ -256,7 +269,8 @@ def finish(args, d, model, ddp, optimizer, allreduces, losses, samples_per_s, st
                              global_batch=args.global_batch, losses=losses,
                              samples_per_s=samples_per_s, per_rank=report.gather(held),
                              start_step=start_step, grad_accum=args.grad_accum,
-                             precision=args.precision, allreduce_calls=allreduces.calls)
+                             precision=args.precision, allreduce_calls=allreduces.calls,
+                             comms_per_step=comms)
     report.finish(args, metrics, model.state_dict())
 
 

@@ -72,7 +72,8 @@ def build_sharded_mlp(args, mesh, device):
     reshard = args.strategy != "grad-op"
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    # The root (it owns no parameter here) stays unsharded after forward, as torch recommends.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
     # Every parameter is now a DTensor: a global shape, a placement per mesh dimension, and the
     # local rows this rank stores. Shard(0) splits dim 0 like torch.chunk; Replicate() copies.
     assert all(isinstance(p, DTensor) and p.placements[-1] == Shard(0)

@@ -42,10 +42,11 @@ from dtcourse.data import rank_rows, token_batch
 from dtcourse.models import GPT, init_gpt
 
 try:  # public since torch 2.6; the same objects lived in torch.distributed._composable.fsdp before
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                        fully_shard)
 except ImportError:
-    from torch.distributed._composable.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
-                                                    fully_shard)
+    from torch.distributed._composable.fsdp import (CPUOffloadPolicy, FSDPModule,
+                                                    MixedPrecisionPolicy, fully_shard)
 
 SCRIPT = "02-fsdp/fsdp_transformer.py"
 # --strategy -> (FSDP1 ShardingStrategy it reproduces, reshard_after_forward, what each rank keeps)
@@ -85,10 +86,9 @@ def shard_model(model: GPT, strategy: str, mesh, args, device) -> None:
     Why per block: FSDP gathers one unit at a time, so peak memory holds the shards plus ~one
     block's full parameters; wrapping only the root would gather the whole model at once.
     Children first: a parameter belongs to the innermost fully_shard'ed module that owns it.
-    The root gets the strategy's reshard_after_forward too, so that `full` is FSDP1's FULL_SHARD
-    exactly. Left at FSDP2's default (None), the root would not reshard after forward (None means
-    True for the blocks, False for the root, which backward needs first) and skip its backward
-    all-gather.
+    The root (embeddings, final norm, head) stays unsharded after forward, as torch recommends
+    and as FSDP2's default (None) and FSDP1's FULL_SHARD both do: backward needs the head first,
+    so resharding it would only buy an immediate second all-gather.
     """
     kw = {"mesh": mesh, "reshard_after_forward": STRATEGIES[strategy][1]}
     if args.mixed_precision == "bf16":
@@ -100,7 +100,7 @@ def shard_model(model: GPT, strategy: str, mesh, args, device) -> None:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for block in model.blocks:
         fully_shard(block, **kw)
-    fully_shard(model, **kw)
+    fully_shard(model, **{**kw, "reshard_after_forward": False})
 
 
 def build(args, strategy: str, d):
@@ -137,10 +137,10 @@ def build(args, strategy: str, d):
 # One optimizer step
 
 
-def train_step(args, d, model, mesh, optimizer, x_local, y_local, comm):
+def train_step(args, d, model, mesh, optimizer, x_local, y_local, comm, between=None):
     """One optimizer step over this rank's rows, in grad_accum micro-steps, with the collectives
-    of forward and backward recorded by `comm`. Returns (this rank's mean loss, the global
-    gradient norm before clipping)."""
+    of forward and backward recorded by `comm`; `between()`, if given, runs after each backward
+    but the last. Returns (this rank's mean loss, the global gradient norm before clipping)."""
     autocast = mesh is None and args.mixed_precision == "bf16"  # FSDP casts by its own policy
     optimizer.zero_grad(set_to_none=True)  # here, so the grads still exist for the report
     step_loss = torch.zeros((), device=d.device)
@@ -159,6 +159,8 @@ def train_step(args, d, model, mesh, optimizer, x_local, y_local, comm):
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y_local[mb].flatten())
                 (loss / args.grad_accum).backward()
             step_loss += loss.detach().float() / args.grad_accum
+            if between is not None and not last:
+                between()
     # The global gradient norm: on DTensor grads the local sums of squares are all-reduced over
     # the shard group, so every rank clips by the same factor as one process would.
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -176,7 +178,7 @@ def train(args, strategy: str, d):
     global_bs = d.world_size * args.batch_size * args.grad_accum  # every rank is data-parallel
     print_header(args, strategy, d, mesh, sum(p.numel() for p in model.parameters()), global_bs)
     rows = rank_rows(d.rank, args.batch_size * args.grad_accum)
-    losses, grad_norms, t_start = [], [], None
+    losses, grad_norms, t_start, accum_grads = [], [], None, []
     bar = report.progress(args.steps, strategy)
     for step in range(args.steps):
         if step == 1:  # step 0 pays for lazy initialisation and warm-up: time the rest
@@ -185,8 +187,11 @@ def train(args, strategy: str, d):
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         # Count the collectives of the last step (a complete, steady-state step).
         comm = CollectiveCounter() if step == args.steps - 1 else contextlib.nullcontext()
+        # ... and the gradient bytes held between its micro-steps
+        between = (lambda: accum_grads.append(accumulating_grad_bytes(model))) \
+            if step == args.steps - 1 else None
         step_loss, norm = train_step(args, d, model, mesh, optimizer, x_all[rows].to(d.device),
-                                     y_all[rows].to(d.device), comm)
+                                     y_all[rows].to(d.device), comm, between)
         dist.all_reduce(step_loss)  # sum of the ranks' means -> mean over the global batch
         losses.append(step_loss.item() / d.world_size)
         grad_norms.append(norm)
@@ -201,7 +206,27 @@ def train(args, strategy: str, d):
     elapsed = time.perf_counter() - t_start if t_start else float("nan")
     tokens_per_s = timed * global_bs * args.seq_len / elapsed if timed else float("nan")
     return report_run(args, strategy, d, model, mesh, optimizer, losses, grad_norms,
-                      comm.summary(), tokens_per_s)
+                      comm.summary(), tokens_per_s, max(accum_grads, default=None))
+
+
+def accumulating_grad_bytes(model) -> int:
+    """Gradient bytes this rank holds between two micro-steps of one optimizer step.
+
+    DDP under no_sync(): its full .grad (the buckets). FSDP2 under
+    set_requires_gradient_sync(False): each unit's full, unsharded gradient, kept on the
+    unsharded parameter (or, with a reduce dtype, in `unsharded_accumulated_grad`) until the last
+    micro-step reduce-scatters it. FSDP2's attributes are private: torch 2.14's names."""
+    if not isinstance(model, FSDPModule):
+        return report.tensor_bytes(p.grad for p in model.parameters())
+    held = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group else []:
+                held.append(getattr(fsdp_param, "unsharded_accumulated_grad", None))
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                held.append(None if unsharded is None else unsharded.grad)
+    return report.tensor_bytes(held)
 
 
 def synchronize(device) -> None:
@@ -219,7 +244,7 @@ def print_header(args, strategy: str, d, mesh, n_params: int, global_bs: int) ->
                   f"{args.seq_len}, vocab {args.vocab}: {n_params:,} parameters (P)")
     layout = "no sharding" if mesh is None else (
         f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, reshard_after_forward="
-        f"{STRATEGIES[strategy][1]}")
+        f"{STRATEGIES[strategy][1]} (root: False)")
     name = "torch DDP" if strategy == "ddp" else f"FSDP1 {STRATEGIES[strategy][0]}"
     report.print0(f"strategy {strategy} = {name}: {layout} | world {d.world_size} | device "
                   f"{d.device} | {args.mixed_precision}"
@@ -230,13 +255,15 @@ def print_header(args, strategy: str, d, mesh, n_params: int, global_bs: int) ->
 
 
 def report_run(args, strategy: str, d, model, mesh, optimizer, losses, grad_norms, comms,
-               tokens_per_s):
+               tokens_per_s, accum_grad_bytes):
     """Print rank 0's view of the run and return (metrics, full state dict on rank 0)."""
     n_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global shape
     # Model state each rank holds right after the last step (grads not yet zeroed). Adam's
     # `step` is a 4-byte scalar per parameter tensor that every rank keeps whole.
-    per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,
-                                               device=d.device))
+    # With --grad-accum above 1, also the gradient bytes held between micro-steps.
+    per_rank = report.gather({**report.held_bytes(params=model.parameters(), optimizer=optimizer,
+                                                  device=d.device),
+                              "accum_grad_bytes": accum_grad_bytes})
     # Export: gather the full, unsharded state dict to rank 0's CPU (a collective: every rank).
     full_sd = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
@@ -289,15 +316,17 @@ def write_results(args, d, results) -> None:
     holding every run; then every rank waits until the files are complete."""
     if len(results) == 1:
         return report.finish(args, *results[0])
+    # tokens/s carries a leading `~`: it depends on the machine's speed, the other columns do not
     report.print0(f"\n{'strategy':9} {'loss':>7} {'tokens/s':>9} {'params B':>10} "
                   f"{'grads B':>10} {'optim B':>10}  collectives per step (whole-tensor bytes; "
-                  f"bytes held by rank 0)")
+                  f"bytes held by rank 0; ~: depends on the machine's speed)")
     for metrics, _ in results:
         held = metrics["per_rank"][0]
         comms = ", ".join(f"{kind} {s['tensor_bytes']:,}"
                           for kind, s in metrics["comms_per_step"].items())
+        speed = f"~{metrics['tokens_per_s']:,.0f}"
         report.print0(f"{metrics['strategy']:9} {metrics['losses'][-1]:7.4f} "
-                      f"{metrics['tokens_per_s']:9,.0f} {held['param_bytes']:10,} "
+                      f"{speed:>9} {held['param_bytes']:10,} "
                       f"{held['grad_bytes']:10,} {held['optim_bytes']:10,}  {comms or '-'}")
     if d.is_main:
         for metrics, full_sd in results:

@@ -36,11 +36,14 @@ SIGTERM_RECEIVED = threading.Event()
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda signum, frame: SIGTERM_RECEIVED.set())
 
+import contextlib  # noqa: E402
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dtcourse import cli, launch, report  # noqa: E402
+from dtcourse.comm import CollectiveCounter  # noqa: E402
 from dtcourse.data import rank_rows, token_batch  # noqa: E402
 from dtcourse.models import GPT, gpt_init_value  # noqa: E402
 
@@ -306,6 +309,7 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
     micro, accum = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
     global_bs = config["train_batch_size"]
     losses, census, t_start, cpu_start, timed_samples = [], [], None, None, 0
+    comms = {}
     bar = report.progress(args.steps, "train", initial=start_step)
     for step in range(start_step, args.steps):
         if step == start_step + 1:  # the first step pays for warm-up; time the rest
@@ -314,10 +318,15 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         # This rank's rows: r*B*A .. (r+1)*B*A - 1, cut into grad_accum micro-batches of B.
         rows = rank_rows(d.rank, micro * accum)
-        measure = (lambda: census.append(memory_census(engine, model, config))) \
-            if step == args.steps - 1 else None  # what each rank holds, in the last step
-        step_loss = train_step(engine, x_all[rows].to(d.device), y_all[rows].to(d.device),
-                               micro, accum, d.device, measure)
+        last = step == args.steps - 1  # measured in the last step: what each rank holds
+        measure = (lambda: census.append(memory_census(engine, model, config))) if last else None
+        # ... and what it sends: every collective the engine issues in one optimizer step
+        counter = CollectiveCounter() if last else contextlib.nullcontext()
+        with counter:
+            step_loss = train_step(engine, x_all[rows].to(d.device), y_all[rows].to(d.device),
+                                   micro, accum, d.device, measure)
+        if last:
+            comms = counter.summary()
 
         # Mean loss over the global batch, and whether any rank has received SIGTERM.
         flags = torch.stack([step_loss, torch.tensor(float(SIGTERM_RECEIVED.is_set()),
@@ -342,7 +351,7 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
     bar.close()
     elapsed = time.perf_counter() - t_start if t_start else float("nan")
     timed_steps = args.steps - start_step - 1
-    return {"losses": losses, "census": census,
+    return {"losses": losses, "census": census, "comms": comms,
             "samples_per_s": timed_samples / elapsed if timed_samples else float("nan"),
             # CPU seconds this process spent per timed step: steadier than samples/s when the
             # machine is shared.
@@ -368,6 +377,7 @@ def report_run(args, config: dict, d, deepspeed, engine, model, run: dict) -> No
                       f"{kib['grad_bytes']:.1f} KiB | optimizer {kib['optim_bytes']:.1f} KiB "
                       f"(fp32 master {kib['master_bytes']:.1f} KiB)"
                       + (f" | on host {kib['host_bytes']:.1f} KiB" if kib["host_bytes"] else ""))
+    report.print0(traffic_line(run["comms"], d.world_size, run["n_params"], args.precision))
     metrics = report.metrics(
         d, script=SCRIPT, strategy=strategy_name(config), steps=args.steps,
         global_batch=config["train_batch_size"], losses=run["losses"],
@@ -376,8 +386,25 @@ def report_run(args, config: dict, d, deepspeed, engine, model, run: dict) -> No
         zero_stage=zero_stage(config), start_step=run["start_step"],
         micro_batch=config["train_micro_batch_size_per_gpu"],
         grad_accum=config["gradient_accumulation_steps"], precision=args.precision,
-        n_params=run["n_params"], deepspeed_version=deepspeed.__version__)
+        n_params=run["n_params"], deepspeed_version=deepspeed.__version__,
+        comms_per_step=run["comms"])
     report.finish(args, metrics, state)
+
+
+def traffic_line(comms: dict, world: int, n_params: int, precision: str) -> str:
+    """What this rank sent in the last optimizer step, by collective, in units of u = (N-1)/N x
+    the gradient bytes (W x P, W = 4 in fp32, 2 in bf16): DDP's all-reduce is 2u, the ZeRO
+    paper's stages 1-2 are 2u (reduce-scatter + all-gather) and its stage 3 3u (the parameters
+    gathered twice)."""
+    parts = " + ".join(f"{kind} {s['sent_bytes']:,}" for kind, s in comms.items()
+                       if s["sent_bytes"] >= 1024)  # leave out the loss's and norms' scalars
+    total = sum(s["sent_bytes"] for s in comms.values())
+    if world == 1:
+        return "sent per optimizer step: nothing (world 1)"
+    W = 4 if precision == "fp32" else 2
+    u = (world - 1) / world * W * n_params
+    return f"sent per optimizer step by this rank: {parts} B = {total / u:.2f} u " \
+           f"(u = (N-1)/N x {W}P = {u:,.0f} B; DDP: 2 u)"
 
 
 def strategy_name(config: dict) -> str:

@@ -224,7 +224,9 @@ def print_table(args, d, n_params: int, results: list) -> None:
     for label, key in (("DeepSpeed estimate device", "estimate_device_bytes"),
                        ("DeepSpeed estimate host", "estimate_host_bytes")):
         print(f"{label:26}" + "".join(f"{r[key]:>11,}{'':7}" for r in results))
-    print(f"{'seconds per step':26}" + "".join(f"{r['step_s']:>11.3f}{'':7}" for r in results))
+    # ~: a timing, on whatever else the machine runs
+    print(f"{'seconds per step':26}" + "".join(f"{'~' + format(r['step_s'], '.3f'):>11}{'':7}"
+                                               for r in results))
     print(f"{'final loss':26}" + "".join(f"{r['losses'][-1]:>11.5f}{'':7}" for r in results),
           flush=True)
 

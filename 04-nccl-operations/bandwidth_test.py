@@ -204,6 +204,11 @@ def measure(op, nbytes, dtype_name, args, rank, n, device) -> dict:
             "backend": dist.get_backend(), "device": device.type}
 
 
+def approx(value: float, fmt: str) -> str:
+    """A measured number, marked with a leading ~: it depends on the machine's speed."""
+    return f"~{value:{fmt}}"
+
+
 def run(args, d) -> list[dict]:
     """Every (dtype, op, size) of the arguments: rank 0 prints each row as it is measured, then
     writes --json-out and --plot."""
@@ -212,7 +217,8 @@ def run(args, d) -> list[dict]:
         ops.remove("sendrecv")  # gloo cannot send to itself (NCCL can: a copy on the GPU)
         report.print0("note: sendrecv skipped: gloo cannot send to its own rank at world size 1")
     report.print0(f"bandwidth_test | world {d.world_size} | device {d.device} | backend "
-                  f"{d.backend} | warmup {args.warmup}, iters {args.iters} (median)")
+                  f"{d.backend} | warmup {args.warmup}, iters {args.iters} (median; "
+                  "~: depends on the machine's speed)")
     if args.link in NETWORK_LINKS and d.local_world_size == d.world_size:
         report.print0(f"note: all {d.world_size} ranks are on one node, so no byte crosses a NIC; "
                       f"--link {args.link} describes a link this run does not use")
@@ -231,10 +237,12 @@ def run(args, d) -> list[dict]:
                                pct_of_reference=100 * row["busbw_GBps"] / ref if ref else None)
                 rows.append(row)
                 pct = "" if not args.link else "        -" if row["pct_of_reference"] is None \
-                    else f"  {row['pct_of_reference']:6.1f}%"
+                    else f" {approx(row['pct_of_reference'], '.1f') + '%':>8}"
+                # time, algbw, busbw and % are measured: a leading ~ marks them (see the header).
                 report.print0(f"{op:<15} {dtype_name:<9} {row['bytes']:>10} "
-                              f"{row['time_us']:>10.1f} {row['algbw_GBps']:>11.3f} "
-                              f"{row['busbw_GBps']:>11.3f} {row['wrong']:>6}{pct}")
+                              f"{approx(row['time_us'], '.1f'):>10} "
+                              f"{approx(row['algbw_GBps'], '.3f'):>11} "
+                              f"{approx(row['busbw_GBps'], '.3f'):>11} {row['wrong']:>6}{pct}")
     if d.rank == 0:
         if any(row["wrong"] for row in rows):
             print("FAIL: some results are wrong (column 'wrong')", file=sys.stderr, flush=True)

@@ -203,8 +203,12 @@ def mismatch_demo(rank, world, device, timeout_s) -> None:
             reason = re.sub(r"^\[[^\]]*\]\s*", "", msg.strip().splitlines()[0])
             if "Connection closed by peer" in reason:  # the peer timed out first and exited
                 reason = "the peer gave up first and closed the connection"
-            say(f"[rank {rank}] error: hang: {calling} did not complete within {timeout_s:g} s "
-                f"({reason}); see 04-nccl-operations/nccl_debugging.md")
+            say(f"[rank {rank}] error: hang: {calling} did not complete within {timeout_s:g} s; "
+                f"see 04-nccl-operations/nccl_debugging.md\n"
+                f"[rank {rank}]   ({dist.get_backend()}: {reason})")
+            # torchrun stops the other ranks as soon as one exits: stay a little, so that they
+            # too have reported (their call fails moments after this one's).
+            time.sleep(2)
         sys.exit(1)
 
 

@@ -18,12 +18,12 @@ posted the matching recv, on NCCL small messages may be buffered but large ones 
 """
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from dtcourse import cli, launch, report
-
 
 # --------------------------------------------------------------------------------------------------
 # The patterns. Each runs on every rank and returns whether this rank got what it should.
@@ -140,9 +140,13 @@ def deadlock(rank, world, numel, device, timeout_s) -> None:
             reason = "the peer gave up first and closed the connection"
         sys.stderr.write(
             f"[rank {rank}] error: deadlock: send to rank {right} did not complete within "
-            f"{timeout_s:g} s ({reason}). Every rank is in a blocking send and nobody receives; "
-            "the patterns above show the two fixes\n")
+            f"{timeout_s:g} s. Every rank is in a blocking send and nobody receives; "
+            f"the patterns above show the two fixes\n[rank {rank}]   ({dist.get_backend()}: "
+            f"{reason})\n")
         sys.stderr.flush()
+        # torchrun stops the other ranks as soon as one exits: stay a little, so that they
+        # too have reported (their call fails moments after this one's).
+        time.sleep(2)
         sys.exit(1)
 
 

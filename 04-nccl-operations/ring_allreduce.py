@@ -323,12 +323,18 @@ def time_algorithms(algos: dict, numel: int, dtype, args, device) -> dict[str, f
     return {name: statistics.median(row) * 1e6 for name, row in zip(algos, t.tolist())}
 
 
+def approx(value: float, fmt: str) -> str:
+    """A measured number, marked with a leading ~: it depends on the machine's speed."""
+    return f"~{value:{fmt}}"
+
+
 def time_all(args, d, algos: dict) -> list[dict]:
     """Each size of --sizes: the median time of every algorithm and the ring's busbw."""
     dtype = DTYPES[args.dtype]
     esize = torch.tensor([], dtype=dtype).element_size()
     factor = 2 * (d.world_size - 1) / d.world_size  # nccl-tests' all-reduce bus-bandwidth factor
-    report.print0(f"\ntime (ms), median of {args.iters}; busbw of the ring in GB/s")
+    report.print0(f"\ntime (ms), median of {args.iters}; busbw of the ring in GB/s "
+                  "(~: depends on the machine's speed)")
     report.print0(f"{'size':>6} " + " ".join(f"{a:>16}" for a in algos)
                   + f" {'ring/library':>13} {'naive/ring':>11} {'ring_busbw':>11}")
     rows = []
@@ -339,10 +345,12 @@ def time_all(args, d, algos: dict) -> list[dict]:
         rows += [{"kind": "time", "algo": k, "bytes": numel * esize, "dtype": args.dtype,
                   "world_size": d.world_size, "time_us": v, "busbw_GBps": busbw[k],
                   "backend": d.backend, "device": d.device.type} for k, v in t.items()]
+        # Every number of this table is a timing: printed with a leading ~ (see the header).
         report.print0(f"{human(numel * esize):>6} "
-                      + " ".join(f"{v / 1e3:>16.3f}" for v in t.values())
-                      + f" {t['ring'] / t['library']:>13.2f} {t['naive'] / t['ring']:>11.2f}"
-                      f" {busbw['ring']:>11.3f}")
+                      + " ".join(f"{approx(v / 1e3, '.3f'):>16}" for v in t.values())
+                      + f" {approx(t['ring'] / t['library'], '.2f'):>13}"
+                      f" {approx(t['naive'] / t['ring'], '.2f'):>11}"
+                      f" {approx(busbw['ring'], '.3f'):>11}")
     return rows
 
 

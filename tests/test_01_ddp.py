@@ -2,11 +2,11 @@
 
 Tolerances. DDP at world 2 averages two half-batch gradients where one process takes the mean over
 the whole batch: the same numbers summed in a different order, so each gradient element differs by
-a few float32 ulps (~1e-7 relative). AdamW divides by sqrt(v) + eps, which keeps such differences
-at the same relative size step after step; over the 40 steps compared here we allow 1e-5
-relative and 1e-6 absolute (the runs differ by ~1e-7 in practice; a real bug, e.g. a missing average over
-ranks or a rank reading the wrong rows, changes weights by > 1e-3). Runs whose arithmetic is
-identical (same world size, a resumed run, another launcher) must match bitwise.
+a few float32 ulps (~1e-7 relative). That stays so on almost every weight, but AdamW divides by
+sqrt(v) + eps, so on a coordinate whose gradient is itself at rounding level the ulps decide the
+update: conftest.assert_adamw_close allows a rare such coordinate and fails on a real bug (a
+missing average over ranks, a rank reading the wrong rows), which moves most weights. Runs whose
+arithmetic is identical (same world size, a resumed run, another launcher) must match bitwise.
 
 Several launches are the lesson README's own commands, run verbatim, so the README's claims are the
 ones checked. They write under runs/ (git-ignored).
@@ -20,7 +20,7 @@ import torch
 from conftest import (
     PYTHON,
     REPO,
-    assert_state_dicts_close,
+    assert_adamw_close,
     assert_state_dicts_equal,
     free_port,
     launch,
@@ -40,7 +40,10 @@ BENCH = "01-ddp-basics/ddp_benchmark.py"
 LAUNCH = "01-ddp-basics/launch_ddp.sh"
 README = REPO / "01-ddp-basics" / "README.md"
 RUNS = REPO / "runs"
-CLOSE = {"rtol": 1e-5, "atol": 1e-6}
+# AdamW equivalence: see conftest.assert_adamw_close (measured here: every weight within 1e-7;
+# on an AVX2-only EPYC one element of 16,384 off by 1.3e-6, the kind of coordinate it allows).
+PEAK_LR = 1e-2 * 64 / 32  # ddp_training.py: --lr 1e-2 scaled from --base-batch 32 to batch 64
+ADAMW = {"lr": PEAK_LR, "steps": 40}
 
 # The lesson's README commands, run verbatim here (and so not again by test_readmes.py).
 FULL = "torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py --export runs/ddp_full.pt"
@@ -78,7 +81,7 @@ def test_world2_equals_one_process_with_the_same_global_batch(tmp_path, full_run
                str(out / "metrics.json"))
     m1 = read_json(out / "metrics.json")
     assert m1["world_size"] == 1 and m1["global_batch"] == 64 and len(m1["losses"]) == 40
-    assert_state_dicts_close(full_run, load_export(out / "model.pt"), **CLOSE,
+    assert_adamw_close(full_run, load_export(out / "model.pt"), **ADAMW,
                              msg="world 2 vs world 1:")
     # The model must actually have learned, or equal weights would prove little.
     assert sum(m1["losses"][-5:]) / 5 < 0.5 * sum(m1["losses"][:5]) / 5
@@ -96,8 +99,19 @@ def test_accumulation_equals_the_full_batch_and_skips_the_allreduce(full_run, ac
     bucket per synced backward)."""
     weights, m = accum_run
     assert m["world_size"] == 2 and m["grad_accum"] == 2 and m["global_batch"] == 64
-    assert_state_dicts_close(weights, full_run, **CLOSE, msg="accumulation vs full batch:")
+    assert_adamw_close(weights, full_run, **ADAMW, msg="accumulation vs full batch:")
     assert m["allreduce_calls"] == 40, "no_sync() must skip the first micro-step's all-reduce"
+
+
+def test_traffic_of_a_step_is_one_ring_allreduce_of_the_gradients(accum_run):
+    """Measured at the dispatcher in the last optimizer step (2 micro-steps, no_sync on the
+    first): one all-reduce of the gradient bytes G = 4P (the bucket), of which every rank sends
+    2(N-1)/N x G on a ring: G at N = 2. Nothing else goes over the wire for gradients."""
+    weights, m = accum_run
+    G = 4 * sum(t.numel() for t in weights.values())
+    assert m["comms_per_step"] == {"all_reduce": {
+        "calls": 1, "tensor_bytes": G, "sent_bytes": G, "dtypes": ["float32"],
+        "group_sizes": [2]}}
 
 
 def test_metrics_follow_the_contract(accum_run):
@@ -200,9 +214,10 @@ def test_mnist_same_result_under_python_torchrun_and_two_nodes(mnist_runs):
     assert m1["losses"][:16] == pytest.approx(mp_["losses"][:16], rel=1e-5)
     # Later, while the network learns fast, ReLU and max-pool decisions flip on rounding-level
     # differences and the trajectories drift apart (measured: 4e-5 relative at step 48, 1e-2 at
-    # step 128, as between any two machines). The end result must still agree: the same first-
-    # epoch accuracy, and final accuracies within 1 percentage point (10 of 1024 test digits).
-    assert m1["test_accuracy"][0] == mp_["test_accuracy"][0]
+    # step 128, as between any two machines). The end result must still agree: accuracies after
+    # each epoch within 1 percentage point (10 of 1024 test digits; borderline digits flip: 1 did
+    # with ATEN_CPU_CAPABILITY=default, 4 with avx2, after the first epoch).
+    assert abs(m1["test_accuracy"][0] - mp_["test_accuracy"][0]) <= 0.01
     assert abs(m1["test_accuracy"][-1] - mp_["test_accuracy"][-1]) <= 0.01
 
 

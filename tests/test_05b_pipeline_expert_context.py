@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from conftest import (
     REPO,
     assert_bad_input,
+    assert_adamw_close,
     assert_state_dicts_close,
     launch,
     load_export,
@@ -49,6 +50,10 @@ SECTION = REPO / LESSON / "README.md"
 # up to 1e-7 on gradients); 1e-5 relative / 1e-6 absolute leaves a 10x margin and still fails on
 # any real mistake (a dropped micro-batch or a wrong scale changes gradients by >= 1e-2).
 RTOL, ATOL = 1e-5, 1e-6
+# Weights after AdamW steps are another matter: AdamW divides each coordinate by sqrt(v), so where
+# a gradient is itself at rounding level, those ulps decide the step (seen: 2.3e-6 on one of 8,192
+# weights with ATEN_CPU_CAPABILITY=default): conftest.assert_adamw_close. Both scripts: lr 3e-3.
+ADAMW = {"lr": 3e-3, "steps": 4}
 
 
 @pytest.fixture(autouse=True)
@@ -282,7 +287,7 @@ def test_pipeline_training_export_equals_the_unsplit_model_trained_in_one_proces
     assert sum(r["param_bytes"] for r in got["per_rank"]) == \
         sum(t.numel() * 4 for t in sd.values())
     ResidualMLP(hidden=64, depth=8).load_state_dict(sd, strict=True)
-    assert_state_dicts_close(sd, model.state_dict(), rtol=RTOL, atol=ATOL)
+    assert_adamw_close(sd, model.state_dict(), **ADAMW)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,7 +387,7 @@ def test_expert_parallel_equals_a_single_process_moe(moe_runs, moe_reference, wo
     # rounding level, e.g. an expert few tokens reach, the loop's different summation order
     # changes the update itself; the script's one-process run does the same arithmetic.)
     assert got["metrics"]["losses"] == pytest.approx(ref["losses"], rel=RTOL, abs=ATOL)
-    assert_state_dicts_close(got["export"], moe_runs[1]["export"], rtol=RTOL, atol=ATOL)
+    assert_adamw_close(got["export"], moe_runs[1]["export"], **ADAMW)
     load_script(MOE).MoEModel().load_state_dict(got["export"], strict=True)
     # each rank holds 8 / world experts: expert bytes are split, the rest replicated
     per_rank = got["metrics"]["per_rank"]

@@ -106,6 +106,16 @@ def test_library_accounting_is_what_deepspeed_and_fsdp_hold():
     assert (z3["total_bytes"], z3["host_bytes"]) == (0, 20 * P / N)
     z3_fp32 = me.estimate(P, N, "zero3-offload", "fp32", "library")
     assert (z3_fp32["total_bytes"], z3_fp32["host_bytes"]) == (0, 24 * P / N)
+    # ZeRO-2 offload under gradient accumulation also keeps host buffers holding the whole
+    # gradients of the parameters overlapping each partition. Shapes of 24, 10 and 16 elements:
+    # the flat buffer pads 50 to 52, partitions [0, 26) and [26, 52); rank 0 overlaps the first
+    # two tensors (34 elements), rank 1 the last two (26).
+    shapes = [(6, 4), (10,), (4, 4)]
+    for rank, overlap in enumerate((34, 26)):
+        for precision, W in (("fp32", 4), ("mixed", 2)):
+            one, two = (me.estimate(50, 2, "zero2-offload", precision, "library", shapes=shapes,
+                                    rank=rank, grad_accum=a)["host_bytes"] for a in (1, 2))
+            assert (one, two) == (16 * 26, 16 * 26 + W * overlap), (rank, precision)
 
 
 def test_activations_shrink_with_checkpointing():
@@ -240,6 +250,23 @@ def test_estimator_from_p_alone_is_within_the_padding(train):
             assert abs(measured - est["total_bytes"]) <= bound, (run["strategy"], measured, est)
 
 
+def test_deepspeed_bf16_bytes_equal_the_library_accounting(tmp_path):
+    """DeepSpeed in bf16 (CPU), stages 1-3 at world 2 with 2 micro-steps: every byte of every
+    tensor each rank holds (working weights, gradients, fp32 master, moments) equals the
+    estimator's `--accounting library --precision mixed`, and, as the ZeRO paper says for mixed
+    precision, its 2 + 2 + 12 split (K = 12 counts the master)."""
+    run_python("benchmarks/distributed_benchmarks.py", "memory", "--precision", "bf16",
+               # 2 steps: the bytes are taken in the last one, after Adam's state exists
+               "--strategies", "zero1,zero2,zero3", "--steps", "2", "--out", tmp_path,
+               timeout=LAUNCH_TIMEOUT)
+    data = read_json(tmp_path / "memory.json")
+    rows = {(r["strategy"], r["rank"]): r for r in data["rows"]}
+    assert set(rows) == {(s, r) for s in ("zero1", "zero2", "zero3") for r in (0, 1)}
+    for key, row in rows.items():
+        assert row["library_minus_measured"] == 0, (key, row)
+        assert row["paper_minus_measured"] == 0, (key, row)
+
+
 def test_uneven_fsdp_shards_match_to_the_byte(tmp_path):
     """02-fsdp/fsdp_basics.py's MLP has a 25-row layer: 13 rows on rank 0, 12 on rank 1. The
     estimator, given the shapes the script reports, predicts each rank's different bytes."""
@@ -294,6 +321,9 @@ def test_memory_quick_compares_measured_library_and_paper(memory, train):
     ("memory_estimator", ["--params", "7e9", "--world-size", "0"], r"--world-size must be at"),
     ("memory_estimator", ["--params", "7e9", "--world-size", "6", "--strategy", "fsdp-hybrid",
                           "--shard-size", "4"], r"--shard-size 4 must .* divide --world-size 6"),
+    ("memory_estimator", ["--fits", "0"], r"--fits must be a positive number of GB"),
+    ("memory_estimator", ["--fits", "80", "--params", "7e9"], r"--fits finds the largest model"),
+    ("memory_estimator", ["--fits", "80", "--accounting", "library"], r"--fits uses the paper's"),
     ("distributed_benchmarks", ["train", "--worlds", "0"], r"world sizes must be at least 1"),
     ("distributed_benchmarks", ["train", "--strategies", "zero4"], r"zero4 not among ddp, "),
     ("distributed_benchmarks", ["memory", "--from", "missing.json"], r"no such file"),
@@ -312,3 +342,17 @@ def test_readme_documents_the_quick_and_the_sample_runs():
         assert_png(REPO / "benchmarks" / "results" / f"{name}.png")
         assert json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())["kind"] \
             == name
+
+
+def test_which_strategy_boundaries_come_from_the_estimator():
+    """The course map's "Which strategy?" table quotes its boundaries from `--fits` (the quoted
+    output itself is re-checked by the README check): DDP 16 B/param, ZeRO-2 4 + 12/N in fp32 and
+    2 + 14/N mixed, ZeRO-3 16/N."""
+    lines = me.largest_models(80, 8)
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert rows["ddp"][:4] == ["16.00", "5.0B", "16.00", "5.0B"]
+    assert rows["zero2"][:4] == ["5.50", "14.5B", "3.75", "21.3B"]
+    assert rows["zero3"][:4] == ["2.00", "40.0B", "2.00", "40.0B"]
+    table = (REPO / "README.md").read_text().split("## Which strategy?")[1].split("```")[0]
+    for figure in ("under 5B", "5B to 14.5B", "21.3B", "up to 40B on 8 GPUs"):
+        assert figure in table, figure

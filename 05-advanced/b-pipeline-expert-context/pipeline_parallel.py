@@ -546,7 +546,8 @@ def report_run(args, d, pipe, optimizer, losses, samples_per_s):
         params=pipe.parameters(), optimizer=optimizer, device=d.device)))
     weights = merge(report.gather(pipe.full_state()))
     bubble = sum(r["bubble"] for r in per_rank) / d.world_size
-    report.print0(f"last step: bubble {bubble:.3f} measured (mean over ranks) vs "
+    # the measured bubble is a timing (marked `~`); the formula's value is exact
+    report.print0(f"last step: bubble ~{bubble:.3f} measured (mean over ranks) vs "
                   f"{pipe.formula():.3f} = (p-1)/({'v*' if pipe.v > 1 else ''}m+p-1) | "
                   f"micro-batches held per rank {[r['peak_held_microbatches'] for r in per_rank]}"
                   f" | peak activations per rank (KiB) "

@@ -203,19 +203,23 @@ def summarize(args, mode, rows, workers, model) -> dict:
 
 
 def print_summary(summary: dict) -> None:
+    """The synchronous modes are deterministic; what the asynchronous one applies depends on
+    which worker pushes first, so its losses, counts and staleness are marked `~`."""
     for mode, s in summary.items():
         curve = s["losses"]
         marks = sorted({0, len(curve) // 2, len(curve) - 1})
-        line = " ".join(f"{curve[i]:.3f}" for i in marks)
+        t = "~" if mode == "async" else ""
+        line = " ".join(f"{t}{curve[i]:.3f}" for i in marks)
         extra = (f"all-reduces {s['allreduces']}" if mode != "async" else
-                 f"gradients by worker {s['pushes_per_worker']} (last one dropped at STOP)")
+                 f"gradients by worker [{', '.join(f'~{n}' for n in s['pushes_per_worker'])}] "
+                 f"(last one dropped at STOP)")
         report.print0(f"{mode:<5} | {s['wall_s']:5.2f} s | train loss {line} | held-out loss "
-                      f"{s['eval_loss']:.4f} | {extra}")
+                      f"{t}{s['eval_loss']:.4f} | {extra}")
     if "async" in summary:
         s = summary["async"]
-        means = " ".join(f"w{w}: {m:.2f}" for w, m in enumerate(s["mean_staleness_per_worker"]))
+        means = " ".join(f"w{w}: ~{m:.2f}" for w, m in enumerate(s["mean_staleness_per_worker"]))
         report.print0(f"async staleness (server updates between a worker's pull and its push): "
-                      f"mean {means} | max {s['max_staleness']}")
+                      f"mean {means} | max ~{s['max_staleness']}")
 
 
 def run(args, d):

@@ -352,22 +352,27 @@ def rows_of(args, d, variants, records) -> tuple[list, float]:
 
 
 def print_table(rows, compute, world) -> None:
-    report.print0(f"compute only (no communication): {compute * 1e3:.1f} ms/step (median)")
+    report.print0(f"compute only (no communication): {compute * 1e3:.1f} ms/step (median); "
+                  "~: depends on the machine's speed")
     report.print0(f"{'variant':<9} {'bucket MB':>9} {'step ms':>8} {'exposed comm ms':>16} "
                   f"{'collectives':>11} {'first launch vs backward end ms':>32}")
+
+    def timed(x: float) -> str:  # a time in ms: varies from run to run, marked `~`
+        return f"~{x:.1f}"
+
     for row in rows:
         cap = "-" if row["bucket_cap_mb"] is None else f"{row['bucket_cap_mb']:g}"
         first = min(row["launch_offsets_s"]) * 1e3 if row["launch_offsets_s"] else float("nan")
-        report.print0(f"{row['variant']:<9} {cap:>9} {row['step_time_s'] * 1e3:8.1f} "
-                      f"{row['exposed_comm_s'] * 1e3:16.1f} {row['collectives']:11g} "
-                      f"{first:+32.1f}")
+        report.print0(f"{row['variant']:<9} {cap:>9} {timed(row['step_time_s'] * 1e3):>8} "
+                      f"{timed(row['exposed_comm_s'] * 1e3):>16} {row['collectives']:11g} "
+                      f"{timed(first):>32}")
     naive = [r for r in rows if r["variant"] == "naive"]
     best = min((r for r in rows if r["variant"] == "bucketed"), key=lambda r: r["step_time_s"],
                default=None)
     if naive and best:
-        report.print0(f"bucketed ({best['bucket_cap_mb']:g} MB) vs naive: "
-                      f"{naive[0]['step_time_s'] / best['step_time_s']:.2f}x faster per step "
-                      f"at world {world}")
+        report.print0(f"bucketed at its fastest bucket size (~{best['bucket_cap_mb']:g} MB in "
+                      f"this run) vs naive: ~{naive[0]['step_time_s'] / best['step_time_s']:.2f}x "
+                      f"faster per step at world {world}")
 
 
 def run(args, d):

@@ -86,8 +86,10 @@ def cache_file(cache_dir: Path, images: int, size: int, seed: int) -> Path:
     return Path(cache_dir) / f"images_{images}x3x{size}x{size}_seed{seed}.u8"
 
 
-def write_memmap(path: Path, jpegs, size: int) -> None:
-    """Rank 0 only: preprocess every image into a uint8 file, under a temporary name first."""
+def write_memmap(path: Path, jpegs, size: int, kept: bool) -> None:
+    """Rank 0 only: preprocess every image into a uint8 file, under a temporary name first.
+    `kept`: under --cache-dir, where later runs find it (else a temporary directory, whose
+    name changes with every run: only the file's name is printed)."""
     t0 = time.perf_counter()
     rows = np.memmap(path.with_suffix(".tmp"), dtype=np.uint8, mode="w+",
                      shape=(len(jpegs), 3, size, size))
@@ -95,8 +97,9 @@ def write_memmap(path: Path, jpegs, size: int) -> None:
     rows.flush()
     del rows
     path.with_suffix(".tmp").replace(path)  # an atomic rename: the complete file, or none
-    print(f"preprocessed {len(jpegs)} images into {path} in {time.perf_counter() - t0:.2f} s "
-          f"(once; every later epoch and run reuses it)", flush=True)
+    where = str(path) if kept else f"{path.name} (in a temporary directory)"
+    print(f"preprocessed {len(jpegs)} images into {where} in {time.perf_counter() - t0:.2f} s "
+          f"(once; every later epoch{' and run' if kept else ''} reuses it)", flush=True)
 
 
 class MemoryMapped(Dataset):
@@ -218,7 +221,7 @@ def prepare_cache(args, d, jpegs) -> tuple[Path, str]:
     dist.broadcast_object_list(cache, src=0)  # every rank learns the directory rank 0 chose
     path = cache_file(cache[0], args.images, args.size, args.seed)
     if d.rank == 0 and not path.exists():
-        write_memmap(path, jpegs, args.size)
+        write_memmap(path, jpegs, args.size, kept=args.cache_dir is not None)
     dist.barrier()
     return path, cache[0]
 
@@ -261,10 +264,11 @@ def run(args, d):
 
 def print_table(rows) -> None:
     report.print0(f"{'setting':<24} {'data wait':>9} {'compute':>8} {'wait fraction':>13} "
-                  f"{'first batch':>11}")
+                  f"{'first batch':>11}   (~: depends on the machine's speed)")
     for r in rows:
         report.print0(f"{r['setting']:<24} {r['data_wait_s']:8.2f}s {r['compute_s']:7.2f}s "
-                      f"{r['data_wait_fraction']:13.1%} {r['first_batch_s']:10.2f}s")
+                      f"{'~' + format(r['data_wait_fraction'], '.1%'):>13} "
+                      f"{r['first_batch_s']:10.2f}s")
 
 
 # --------------------------------------------------------------------------------------------------

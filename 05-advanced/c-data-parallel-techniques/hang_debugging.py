@@ -134,6 +134,9 @@ def run_bug(args, d) -> int:
                          f"(--timeout-s {args.timeout_s:g}): {type(exc).__name__}: "
                          f"{short(str(exc))}\n[rank {d.rank}] hint: {HINTS[args.bug]}\n")
         sys.stderr.flush()
+        # The other ranks usually fail at the same moment; torchrun stops every rank as soon as
+        # one exits, so wait a little for theirs to print their lines too.
+        time.sleep(0.5)
         return 1
     faulthandler.cancel_dump_traceback_later()
     if d.rank == 0:

@@ -162,27 +162,29 @@ def run(args, d):
 
 
 def print_table(args, world, per_rank, comm_ops, comm, bounds) -> None:
+    """Every time and share of time is measured, and which rank reaches the all-reduce last
+    depends on scheduling: those are printed with a leading `~`."""
     report.print0(f"world {world} | {args.active} profiled steps per rank | traces in "
-                  f"{args.trace_dir}")
+                  f"{args.trace_dir} | ~: depends on the machine's speed")
     report.print0(f"{'rank':<5} {'step ms':>8} " + " ".join(f"{n:>9}"
                                                             for n in (*REGIONS, "other")))
     for r, row in enumerate(per_rank):
-        report.print0(f"{r:<5} {row['step_ms']:8.2f} " + " ".join(
-            f"{row['fractions'][n]:9.1%}" for n in (*REGIONS, "other")))
+        report.print0(f"{r:<5} {'~' + format(row['step_ms'], '.2f'):>8} " + " ".join(
+            f"{'~' + format(row['fractions'][n], '.1%'):>9}" for n in (*REGIONS, "other")))
     report.print0(f"communication ops seen in the profile: {', '.join(comm_ops)}")
     shares = [row["fractions"]["allreduce"] for row in per_rank]
     last = shares.index(comm)
-    waits = ", ".join(f"rank {r} {x - comm:.1%}" for r, x in enumerate(shares) if r != last)
-    report.print0(f"communication: {comm:.1%} of a step, the all-reduce of rank {last}, the last "
+    waits = ", ".join(f"rank ~{r} ~{x - comm:.1%}" for r, x in enumerate(shares) if r != last)
+    report.print0(f"communication: ~{comm:.1%} of a step, the all-reduce of rank ~{last}, the last "
                   "to reach it; the other ranks' extra all-reduce time is waiting for it"
                   + (f": {waits}" if waits else ""))
-    report.print0(f"weak scaling (--batch-size per rank, as run): n ranks give n x {1 - comm:.2f} "
+    report.print0(f"weak scaling (--batch-size per rank, as run): n ranks give n x ~{1 - comm:.2f} "
                   "the throughput of one process (no all-reduce) if the all-reduce keeps its "
                   "time: no ceiling")
-    limit = f"{world * (1 - comm) / comm:.1f}x" if comm > 0 else "none"
+    limit = f"~{world * (1 - comm) / comm:.1f}x" if comm > 0 else "none"
     report.print0("strong scaling (Amdahl: this run's global batch split n ways, the all-reduce "
                   "not shrinking): speedup over one process at most "
-                  + ", ".join(f"{b:.1f}x at {n}" for n, b in bounds.items())
+                  + ", ".join(f"~{b:.1f}x at {n}" for n, b in bounds.items())
                   + f" (limit {limit})")
 
 
