@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -247,6 +248,11 @@ def setup(device: str = "auto", timeout_s: float = 120.0) -> Dist:
     dev = choose_device(device, launch)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    else:
+        # CPU kernels split their reductions by thread: results would then depend on the number
+        # of cores (the last digits of a loss, which Adam can grow). One thread per rank, as
+        # torchrun sets for several ranks per node, gives every machine the same numbers.
+        torch.set_num_threads(1)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if launch.master_addr is None:
@@ -270,6 +276,45 @@ def teardown() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+        _wait_for_idle_gloo_workers()
+
+
+def _gloo_workers() -> dict[str, tuple[str, str]]:
+    """{thread id: (state, nanoseconds run so far)} of gloo's worker threads (Linux /proc)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "pt_gloo_runloop":
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = (state, f.read().split()[0])
+        except OSError:
+            continue  # the thread ended while we looked
+    return out
+
+
+def _wait_for_idle_gloo_workers(timeout_s: float = 5.0) -> None:
+    """Return once gloo's worker threads are asleep with nothing left to do.
+
+    A TorchDispatchMode that sees a c10d collective (dtcourse.comm.CollectiveCounter) leaves
+    references to the ProcessGroup behind (torch 2.14), so destroy_process_group() cannot free it
+    and join its threads. A worker that has just finished the last collective then drops its
+    tensors on its own thread, which takes the GIL: if the interpreter is already shutting down,
+    that thread is killed and the C++ runtime aborts the finished run ("terminate called without an
+    active exception"). So wait, sleeping (which frees the GIL), until every worker is asleep and
+    has not run for two polls in a row."""
+    if not os.path.isdir("/proc/self/task"):
+        return
+    before, deadline = _gloo_workers(), time.monotonic() + timeout_s
+    while before and time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = _gloo_workers()
+        if now == before and all(state == "S" for state, _ in now.values()):
+            return
+        before = now
 
 
 @contextmanager

@@ -196,3 +196,30 @@ launch.teardown()
     assert {k: (s["calls"], s["tensor_bytes"], s["sent_bytes"]) for k, s in summary.items()} == {
         "all_reduce": (1, 32, 0), "reduce": (1, 32, 0), "broadcast": (1, 32, 32),
         "all_gather": (1, 32, 0), "reduce_scatter": (1, 32, 0), "all_to_all": (1, 32, 0)}
+
+
+def test_teardown_returns_with_gloo_workers_asleep_when_a_counter_kept_the_group_alive():
+    """A dispatch mode that saw a c10d collective keeps the ProcessGroup referenced (torch 2.14),
+    so destroy_process_group() cannot join gloo's worker threads; a worker still releasing the
+    last collective's tensors when the interpreter shuts down aborts the finished run ("terminate
+    called without an active exception", seen at world 2 under load). teardown() therefore waits
+    until every worker sleeps. Checked here: the workers do outlive the group (the case the wait
+    exists for: if a torch release frees them, this test says the wait can go), and teardown()
+    returns with each of them asleep."""
+    code = """
+import torch, torch.distributed as dist
+from dtcourse import launch
+from dtcourse.comm import CollectiveCounter
+d = launch.setup('cpu')
+x = torch.ones(1 << 16)
+with CollectiveCounter():
+    for _ in range(20):
+        dist.all_reduce(x)
+launch.teardown()
+print(sorted(state for state, _ in launch._gloo_workers().values()))
+"""
+    out = subprocess.run([PYTHON, "-c", code], env=base_env(), capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    states = json.loads(out.stdout.splitlines()[-1].replace("'", '"'))
+    assert states and set(states) == {"S"}, out.stdout
