@@ -39,6 +39,8 @@ from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
 
 SCRIPT = "05-advanced/c-data-parallel-techniques/async_sgd.py"
+# CPU and gloo only: the parameter server receives from any source, which NCCL does not offer.
+GLOO_ONLY = "the parameter server receives from any source, which only gloo offers"
 MODES = ("sync", "local", "async")
 
 
@@ -284,8 +286,7 @@ def parse_args(argv=None):
     if min(args.worker_delay_ms) < 0:
         cli.fail(f"--worker-delay-ms must be >= 0, got {min(args.worker_delay_ms)}")
     if args.device == "cuda":
-        cli.fail("--device cuda: the parameter server receives from any source, which only gloo "
-                 "offers; this script runs on the CPU")
+        cli.fail(f"--device cuda: {GLOO_ONLY}; this script runs on the CPU")
     return args
 
 

@@ -1,0 +1,76 @@
+"""No lesson script sends a CPU tensor to a collective or calls CUDA without a guard.
+
+The suite runs on gloo, which accepts tensors on any device; NCCL does not, and a bare CUDA call
+fails where no GPU exists. tests/device_check.py reads the source and reports both. It must find
+nothing in the course, and it must find each bug of that kind the course once shipped: the three
+below are those bugs, reduced to their lines (the end-of-measurement all-reduce of
+ddp_benchmark.py, the timing all-reduce of data_loading.py, the hand-written ZeRO that started
+gloo and all-reduced a CPU flag tensor).
+"""
+
+import pytest
+
+from conftest import REPO
+from device_check import check_files, check_source
+
+FOLDERS = ["01-ddp-basics", "02-fsdp", "03-deepspeed", "04-nccl-operations", "05-advanced",
+           "benchmarks", "dtcourse"]
+
+
+def test_no_script_of_the_course_would_break_on_nccl():
+    files = sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py"))
+    assert len(files) > 30
+    assert check_files(files, REPO) == []
+
+
+ONCE_SHIPPED = {
+    "ddp_benchmark": ("""
+def measure(times):
+    medians = torch.tensor([median(times[True]), median(times[False])])
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+""", ["cpu-tensor"]),
+    "data_loading": ("""
+def run(wait, compute):
+    totals = torch.tensor([wait, compute], dtype=torch.float64)
+    dist.all_reduce(totals)
+""", ["cpu-tensor"]),
+    "zero_from_scratch": ("""
+def start():
+    dist.init_process_group("gloo", timeout=timeout)
+def step(self):
+    had_grad = torch.tensor([float(p in self._reduced) for p in self.params])
+    dist.all_reduce(had_grad, group=self.group)
+""", ["gloo-only", "cpu-tensor"]),
+    "bare cuda": ("""
+def time_step(model, x):
+    out = model(x.cuda())
+    torch.cuda.synchronize()
+""", ["bare-cuda", "bare-cuda"]),
+}
+
+
+@pytest.mark.parametrize("name", ONCE_SHIPPED)
+def test_the_check_finds_each_nccl_bug_the_course_once_had(name):
+    source, kinds = ONCE_SHIPPED[name]
+    found = check_source(source)
+    assert [f.split(": ")[1] for f in found] == kinds, found
+
+
+def test_what_is_right_on_both_backends_passes():
+    assert check_source("""
+def measure(times, device):
+    medians = torch.tensor([1.0, 2.0], device=device)
+    dist.all_reduce(medians)
+    dist.all_reduce(torch.zeros(3, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    n = torch.cuda.device_count()
+def cpu_side(x):
+    flags = torch.ones(2)
+    dist.all_reduce(flags, group=gloo_group)  # a group meant to be gloo
+def report(device):
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device)
+""") == []
