@@ -124,8 +124,11 @@ def sweep(args, argv) -> list[dict]:
         for world in args.world_sizes:
             out = Path(tmp) / f"w{world}.json"
             # --standalone: torchrun picks a free port for this world size's rendezvous
-            cmd = ["torchrun", "--standalone", f"--nproc_per_node={world}", __file__,
-                   *strip_sweep_args(argv), "--json-out", str(out)]
+            # torchrun as a module of this interpreter: the `torchrun` on PATH may belong to
+            # another environment
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={world}", __file__, *strip_sweep_args(argv),
+                   "--json-out", str(out)]
             print(f"running world size {world} ...", flush=True)
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             if proc.returncode != 0:

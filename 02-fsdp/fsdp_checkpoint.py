@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 
@@ -57,9 +58,12 @@ def build(args, device):
     rows of every parameter, and AdamW's state follows the shards."""
     torch.manual_seed(args.seed)
     model = ResidualMLP(args.hidden, args.depth).to(device)
+    # An explicit mesh on the run's device: without one, fully_shard builds a default mesh on
+    # the GPU whenever CUDA exists, even for --device cpu
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
 

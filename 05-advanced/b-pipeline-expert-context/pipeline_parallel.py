@@ -480,7 +480,9 @@ class MeasuredStage(Stage):
         self.recorder = recorder
         self.cost_s = layer_ms * len(self.blocks) / 1000  # set to 0 for an untimed warm-up step
         self.layer_cost_s = self.cost_s
-        self.anchor = torch.zeros((), requires_grad=True)  # not a parameter: see _OnBackward
+        # A buffer, so that .to(device) moves it with the stage; not persistent: it is no weight
+        # and stays out of the exported state_dict. Not a parameter: see _OnBackward.
+        self.register_buffer("anchor", torch.zeros((), requires_grad=True), persistent=False)
         self.bwd_start = {}
 
     def forward(self, x):

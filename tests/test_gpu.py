@@ -1,0 +1,121 @@
+"""The GPU tier: what only a CUDA GPU can show, run with `python -m pytest -m gpu tests`.
+
+On a machine without CUDA every test here is skipped with the reason shown. With one GPU:
+
+  * every training script of the course at world 1 on CUDA with NCCL (bf16 where the script has a
+    precision flag), a few steps: it must finish, train on the GPU and report its peak memory;
+  * the `--device cuda` commands of the READMEs that fit the GPUs present;
+  * peak CUDA memory of a DDP run beside the memory estimator's model states (the peak holds at
+    least the weights, gradients and Adam's state the estimator counts);
+  * tokens/s and MFU of `fsdp_transformer.py` in bf16 (6N + 12LHQT FLOPs per token over the GPU's
+    dense bf16 peak), printed with the GPU's name;
+  * HBM copy bandwidth, the single-GPU bound for the bandwidth test.
+
+The figures are printed (run with -s to see them) for the READMEs and benchmarks/results/.
+It needs only what the GPU machine already has (its torch; deepspeed and fairscale installed from
+wheels): nothing here installs anything. One GPU cannot run a multi-rank NCCL job; those stay
+untested on NCCL until a multi-GPU node runs the READMEs' commands.
+"""
+
+import math
+import re
+
+import pytest
+import torch
+
+import quoted_output
+from conftest import REPO, docs, load_script, read_json, run_readme_command, run_torchrun
+from test_launchers import TRAINING_SCRIPTS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA GPU on this machine: the GPU tier runs where one is (pytest -m gpu tests)")]
+
+# The flag that turns on bf16, for the scripts that have one.
+BF16 = {"01-ddp-basics/ddp_training.py": ["--precision", "bf16"],
+        "02-fsdp/fsdp_from_scratch.py": ["--compute-dtype", "bf16"],
+        "02-fsdp/fsdp_transformer.py": ["--mixed-precision", "bf16"],
+        "03-deepspeed/deepspeed_train.py": ["--precision", "bf16"]}
+
+
+@pytest.mark.parametrize("script,args", TRAINING_SCRIPTS, ids=[s for s, _ in TRAINING_SCRIPTS])
+def test_training_script_runs_on_one_gpu(tmp_path, script, args):
+    metrics = tmp_path / "m.json"
+    run_torchrun(script, *args, *BF16.get(script, []), "--device", "cuda", "--metrics-out",
+                 metrics, nproc=1, timeout=300)
+    m = read_json(metrics)
+    runs = list(m["runs"].values()) if "runs" in m else [m]  # several variants in one launch
+    for run in runs:
+        assert str(run["device"]).startswith("cuda"), run["device"]
+        assert all(math.isfinite(x) for x in run.get("losses", [])), run.get("losses")
+        peaks = [r["peak_bytes"] for r in run.get("per_rank", [])]
+        assert all(p and p > 0 for p in peaks), f"{script}: peak CUDA memory {peaks}"
+
+
+def _gpus_needed(command: str) -> int:
+    """Processes the command starts on GPUs: nodes x processes per node."""
+    def flag(pattern, default=1):
+        found = re.search(pattern, command)
+        return int(found.group(1)) if found else default
+    nodes = flag(r"--nnodes[= ](\d+)") * flag(r"srun[^|;]*?-N\s*(\d+)")
+    per_node = flag(r"--nproc_per_node[= ](\d+)") * flag(r"--num_gpus[= ](\d+)") * flag(
+        r"--ntasks-per-node[= ](\d+)")
+    return nodes * per_node
+
+
+# Every README command (```bash and ```sh blocks) that asks for CUDA.
+CUDA_COMMANDS = sorted({(str(doc.relative_to(REPO)), c)
+                        for doc in docs() for _, _, lang, body, _ in quoted_output.code_blocks(
+                            doc.read_text()) if lang in ("bash", "sh")
+                        for c in quoted_output.block_commands(body) if "--device cuda" in c})
+
+
+@pytest.mark.parametrize("doc,command", CUDA_COMMANDS, ids=[f"{d}::{c[:70]}"
+                                                            for d, c in CUDA_COMMANDS])
+def test_documented_cuda_command_runs(doc, command):
+    if _gpus_needed(command) > torch.cuda.device_count():
+        pytest.skip(f"needs {_gpus_needed(command)} GPUs, {torch.cuda.device_count()} here")
+    run_readme_command(command, timeout=300)
+
+
+def test_ddp_peak_memory_holds_the_estimators_model_states(tmp_path):
+    me = load_script("benchmarks/memory_estimator.py")
+    metrics = tmp_path / "m.json"
+    run_torchrun("02-fsdp/fsdp_transformer.py", "--steps", "3", "--strategy", "ddp", "--device",
+                 "cuda", "--metrics-out", metrics, nproc=1, timeout=300)
+    m = read_json(metrics)
+    held = m["per_rank"][0]
+    states = held["param_bytes"] + held["grad_bytes"] + held["optim_bytes"]
+    assert states >= me.estimate(m["params"], 1, "ddp", "fp32")["total_bytes"]
+    print(f"\n{torch.cuda.get_device_name()}: DDP peak {held['peak_bytes']:,} B, model states "
+          f"{states:,} B")
+    assert held["peak_bytes"] >= states
+
+
+def test_fsdp_transformer_tokens_per_s_and_mfu(tmp_path):
+    metrics = tmp_path / "m.json"
+    run_torchrun("02-fsdp/fsdp_transformer.py", "--steps", "20", "--strategy", "full",
+                 "--mixed-precision", "bf16", "--device", "cuda", "--metrics-out", metrics,
+                 nproc=1, timeout=300)
+    m = read_json(metrics)
+    print(f"\n{torch.cuda.get_device_name()}: {m['tokens_per_s']:,.0f} tokens/s, MFU "
+          f"{m['mfu']}")
+    assert m["tokens_per_s"] > 0
+    assert m["mfu"] is None or 0 < m["mfu"] < 1  # None: a GPU whose peak the script does not know
+
+
+def test_hbm_copy_bandwidth():
+    """A device-to-device copy reads and writes every byte: 2 x size / time."""
+    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    gbps = 10 * 2 * x.numel() * 4 / (start.elapsed_time(end) / 1e3) / 1e9
+    print(f"\n{torch.cuda.get_device_name()}: HBM copy {gbps:,.0f} GB/s")
+    assert 50 < gbps < 20_000  # any GPU of the last decade, and below any HBM's peak
