@@ -192,7 +192,11 @@ def mismatch_demo(rank, world, device, timeout_s) -> None:
         weights = torch.zeros(4, device=device)
         dist.broadcast(weights, src=0)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)  # NCCL is asynchronous: the hang shows up here
+            # NCCL only queued the calls, and this wait ends in no Python exception: after the
+            # timeout NCCL's watchdog logs "Watchdog caught collective operation timeout" and
+            # tears the process down. The report below is what gloo prints; on NCCL read the
+            # watchdog's line (TORCH_NCCL_ASYNC_ERROR_HANDLING, nccl_debugging.md).
+            torch.cuda.synchronize(device)
     except RuntimeError as exc:
         msg = str(exc)
         fingerprints = re.findall(r"Rank (\d+) is running collective: .*?OpType=(\w+)", msg)

@@ -126,14 +126,22 @@ def run_patterns(rank, world, numel, device) -> list[dict]:
 
 def deadlock(rank, world, numel, device, timeout_s) -> None:
     """The bug: every rank calls a blocking send first. Each send waits for a receiver, every
-    receiver is itself stuck in send, and the process group's timeout ends it."""
+    receiver is itself stuck in send, and the process group's timeout ends it.
+
+    That is gloo's behaviour, which the except below reports. On NCCL a send only blocks the GPU
+    stream of its pair of ranks: at world 2 both ranks share one pair and the deadlock is the
+    same, but it ends with NCCL's watchdog tearing the process down after the timeout, not with
+    an exception here. At world 3 and more each pair of ranks has its own communicator and
+    stream, so the send to the right does not wait for the receive from the left: the ring may
+    not hang at all. Code that relies on that is still wrong (it hangs on gloo, and on NCCL
+    wherever both sends land on one stream)."""
     right, left = (rank + 1) % world, (rank - 1) % world
     got = torch.empty(numel, device=device)
     try:
         dist.send(message(rank, numel, device), dst=right)  # gloo: blocks here, on every rank
         dist.recv(got, src=left)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)  # NCCL only queued the calls: the wait shows up here
+            torch.cuda.synchronize(device)  # NCCL: the hang, if any, is here (see above)
     except RuntimeError as exc:
         reason = str(exc).strip().splitlines()[0].split("] ")[-1]  # drop gloo's [file:line]
         if "Connection closed by peer" in reason:  # the peer timed out first and exited
