@@ -61,8 +61,10 @@ STRATEGIES = {
     "ddp": ("-", None, "torch DistributedDataParallel on the same model, for comparison"),
 }
 # Dense bf16 tensor-core peaks (TFLOP/s) from NVIDIA's data sheets; the first name that matches
-# torch.cuda.get_device_name() wins. Anything else: pass --peak-tflops.
-PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
+# torch.cuda.get_device_name() wins (the NVL parts, at lower clocks, before the plain names).
+# Anything else: pass --peak-tflops.
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0),
+                    ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
 
 
 # --------------------------------------------------------------------------------------------------

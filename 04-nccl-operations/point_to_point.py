@@ -128,13 +128,11 @@ def deadlock(rank, world, numel, device, timeout_s) -> None:
     """The bug: every rank calls a blocking send first. Each send waits for a receiver, every
     receiver is itself stuck in send, and the process group's timeout ends it.
 
-    That is gloo's behaviour, which the except below reports. On NCCL a send only blocks the GPU
-    stream of its pair of ranks: at world 2 both ranks share one pair and the deadlock is the
-    same, but it ends with NCCL's watchdog tearing the process down after the timeout, not with
-    an exception here. At world 3 and more each pair of ranks has its own communicator and
-    stream, so the send to the right does not wait for the receive from the left: the ring may
-    not hang at all. Code that relies on that is still wrong (it hangs on gloo, and on NCCL
-    wherever both sends land on one stream)."""
+    That is gloo's behaviour, which the except below reports. On NCCL the blocking send makes
+    this rank's stream wait for it and the recv waits on that stream: a message NCCL can buffer
+    gets through, a larger one waits for a receive that is never posted, at any number of ranks.
+    That hang ends, by default, with NCCL's watchdog tearing the process down after the timeout,
+    not with an exception here."""
     right, left = (rank + 1) % world, (rank - 1) % world
     got = torch.empty(numel, device=device)
     try:

@@ -1,22 +1,27 @@
-"""A static check for code that works on gloo and breaks on NCCL.
+"""A static check for code that works on a CPU with gloo and breaks on a GPU machine.
 
-The suite runs on CPUs with gloo, which takes tensors on any device. NCCL takes CUDA tensors only
-("No backend type associated with device type cpu"), and a bare `.cuda()` or `torch.cuda.*` call
-fails on a machine without a GPU. Neither shows on a CPU run, so this pass reads the source (the
-`ast` of each script) and reports:
+The suite runs on CPUs with gloo, which takes tensors on any device. A process group started with
+backend "nccl" (what dtcourse.launch.setup does on CUDA) takes CUDA tensors only ("No backend type
+associated with device type cpu"; a group started as "cpu:gloo,cuda:nccl" would route CPU tensors
+to gloo instead), and a CUDA call fails where no GPU exists. Neither shows on a CPU run, so this
+pass reads the source (the `ast` of each script) and reports:
 
   cpu-tensor     a tensor made by a factory (torch.tensor, torch.zeros, ...) without `device=`,
                  or moved with `.cpu()`, reaches a collective (dist.all_reduce, ...) in the same
-                 function: on NCCL the collective fails;
+                 function with no reassignment in between: on NCCL the collective fails;
   gloo-only      a process group started with a literal "gloo" backend in a script that may run
                  on CUDA;
-  bare-cuda      `.cuda()` anywhere, or a `torch.cuda.*` call outside a branch that tests for CUDA
-                 (`if device.type == "cuda":`, `... if torch.cuda.is_available() else ...`, or
-                 after an early `if ... != "cuda": return`).
+  nccl-op        what gloo offers and NCCL refuses: a recv() without src (receive from any
+                 source), ReduceOp.BAND / BOR / BXOR;
+  bare-cuda      `.cuda(...)` or a `torch.cuda.*` call outside the branch that has tested for
+                 CUDA (`if device.type == "cuda":`, its `else` of a `!=` test, `x if cuda else y`,
+                 or after an early `if ... != "cuda": return`): it fails on a machine without a
+                 GPU (the calls that are safe there, like manual_seed or is_available, aside).
 
-A collective on a group that is meant to be gloo (its `group=` argument names gloo or cpu) and
-scripts that refuse `--device cuda` (gloo-only by design: they say so with GLOO_ONLY) are exempt.
-The check is deliberately narrow: what it reports is a bug on NCCL, not a matter of style.
+A collective on a group meant to be gloo (an argument that names gloo or cpu) and scripts that
+refuse CUDA by design (they say why in GLOO_ONLY) are exempt. What no reading of the source can
+decide stays out: sizes that differ across ranks, timing a collective without synchronising,
+tensors that reach a collective from another function or an attribute.
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ COLLECTIVES = {"all_reduce", "reduce", "broadcast", "all_gather", "all_gather_in
                "isend", "irecv", "gather", "scatter", "batch_isend_irecv"}
 FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
              "linspace", "as_tensor", "from_numpy"}
-# torch.cuda calls that are safe on any machine (they ask, they do not act)
-CUDA_QUERIES = {"is_available", "device_count", "is_bf16_supported", "is_initialized"}
+# torch.cuda calls that are safe on a machine without a GPU (they ask, or do nothing there)
+CUDA_SAFE = {"is_available", "device_count", "is_bf16_supported", "is_initialized", "manual_seed",
+             "manual_seed_all", "empty_cache", "memory_stats", "memory_allocated",
+             "max_memory_allocated"}
+NCCL_REFUSES = {"BAND", "BOR", "BXOR"}
 
 
 def _is_dist_call(node: ast.AST, names: set[str]) -> str | None:
@@ -56,8 +64,14 @@ def _makes_cpu_tensor(value: ast.AST) -> bool:
     return False
 
 
-def _mentions_cuda(test: ast.AST) -> bool:
-    return "cuda" in ast.unparse(test)
+def _cuda_sense(test: ast.AST) -> bool | None:
+    """True if the test holds on CUDA (== "cuda", is_available()), False if it holds off CUDA
+    (!= "cuda", not ...), None if it does not mention CUDA."""
+    text = ast.unparse(test)
+    if "cuda" not in text:
+        return None
+    negative = "!=" in text or text.startswith("not ") or " not in " in text
+    return not negative
 
 
 class _Checker(ast.NodeVisitor):
@@ -75,26 +89,36 @@ class _Checker(ast.NodeVisitor):
 
     # -- cpu-tensor: per function, names bound to CPU-made tensors that reach a collective -------
     def visit_FunctionDef(self, node):
-        cpu_names: dict[str, int] = {}
+        bound: list[tuple[int, str, bool]] = []  # (line, name, made on the CPU?)
         for inner in ast.walk(node):
-            if isinstance(inner, ast.Assign) and _makes_cpu_tensor(inner.value):
+            if isinstance(inner, ast.Assign):
                 for target in inner.targets:
                     if isinstance(target, ast.Name):
-                        cpu_names[target.id] = inner.lineno
+                        bound.append((inner.lineno, target.id, _makes_cpu_tensor(inner.value)))
+        bound.sort()
+
+        def cpu_made(name: str, line: int) -> bool:
+            last = [cpu for at, n, cpu in bound if n == name and at < line]
+            return bool(last) and last[-1]
+
+        for inner in ast.walk(node):
             op = _is_dist_call(inner, COLLECTIVES)
             if op is None:
                 continue
-            group = next((k.value for k in inner.keywords if k.arg == "group"), None)
-            if group is not None and any(w in ast.unparse(group).lower() for w in ("gloo", "cpu")):
-                continue
+            rest = inner.args[1:] + [k.value for k in inner.keywords]
+            if any(w in ast.unparse(a).lower() for a in rest for w in ("gloo", "cpu")):
+                continue  # a group meant to be gloo
             for arg in inner.args[:2]:
                 parts = arg.elts if isinstance(arg, (ast.List, ast.Tuple)) else [arg]
                 for part in parts:
                     if _makes_cpu_tensor(part) or (isinstance(part, ast.Name)
-                                                   and part.id in cpu_names
-                                                   and cpu_names[part.id] < inner.lineno):
+                                                   and cpu_made(part.id, inner.lineno)):
                         self.report(inner, "cpu-tensor", f"dist.{op}({ast.unparse(part)}) gets a "
                                     f"tensor made on the CPU (NCCL takes CUDA tensors only)")
+            if op == "recv" and len(inner.args) < 2 and not any(
+                    k.arg == "src" for k in inner.keywords):
+                self.report(inner, "nccl-op", "recv() without src: receive from any source is "
+                            "gloo's, NCCL has none")
         self.generic_visit(node)
 
     visit_AsyncFunctionDef = visit_FunctionDef
@@ -108,30 +132,45 @@ class _Checker(ast.NodeVisitor):
             if isinstance(backend, ast.Constant) and backend.value == "gloo":
                 self.report(node, "gloo-only", "init_process_group('gloo') in a script that "
                             "may run on CUDA: choose nccl there (dtcourse.launch.setup does)")
-        if isinstance(func, ast.Attribute) and func.attr == "cuda" and not node.args \
-                and not self._guarded(node):
+        if isinstance(func, ast.Attribute) and func.attr == "cuda" \
+                and ast.unparse(func.value) != "torch" and not self._guarded(node):
             self.report(node, "bare-cuda", f"{ast.unparse(node)}: use .to(device)")
         if isinstance(func, ast.Attribute) and ast.unparse(func.value) == "torch.cuda" \
-                and func.attr not in CUDA_QUERIES and not self._guarded(node):
+                and func.attr not in CUDA_SAFE and not self._guarded(node):
             self.report(node, "bare-cuda", f"{ast.unparse(func)}() outside a CUDA branch")
         self.generic_visit(node)
 
+    def visit_Attribute(self, node):
+        if node.attr in NCCL_REFUSES and ast.unparse(node.value).endswith("ReduceOp"):
+            self.report(node, "nccl-op", f"{ast.unparse(node)}: NCCL has no bitwise reductions")
+        self.generic_visit(node)
+
     def _guarded(self, node: ast.AST) -> bool:
-        """Inside `if <cuda test>:` / `x if <cuda test> else y`, or after an early return on a
-        CUDA test in the enclosing function."""
+        """In the branch that runs on CUDA: the body of `if <on CUDA>`, the else of `if <off
+        CUDA>` (the same for `x if ... else y` and `... and ...`), or after an early
+        `if <off CUDA>: return` in the enclosing function."""
+        child = node
         for parent in reversed(self.stack):
-            if isinstance(parent, (ast.If, ast.IfExp, ast.While)) and _mentions_cuda(parent.test):
-                return True
-            if isinstance(parent, ast.BoolOp) and any(_mentions_cuda(v) for v in parent.values):
+            if isinstance(parent, (ast.If, ast.IfExp, ast.While)):
+                sense = _cuda_sense(parent.test)
+                in_body = child in (parent.body if isinstance(parent.body, list)
+                                    else [parent.body])
+                in_else = child in (parent.orelse if isinstance(parent.orelse, list)
+                                    else [parent.orelse])
+                if (sense is True and in_body) or (sense is False and in_else):
+                    return True
+            if isinstance(parent, ast.BoolOp) and isinstance(parent.op, ast.And) and any(
+                    _cuda_sense(v) for v in parent.values if v is not child):
                 return True
             if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for stmt in parent.body:
                     if stmt.lineno >= node.lineno:
                         break
-                    if isinstance(stmt, ast.If) and _mentions_cuda(stmt.test) and any(
-                            isinstance(s, ast.Return) for s in stmt.body):
+                    if isinstance(stmt, ast.If) and _cuda_sense(stmt.test) is False and any(
+                            isinstance(s, (ast.Return, ast.Raise)) for s in stmt.body):
                         return True
                 return False
+            child = parent
         return False
 
 
@@ -143,7 +182,7 @@ def check_source(source: str, path: str = "<source>") -> list[str]:
         return []  # refuses --device cuda by design (receive-from-any-source and the like)
     checker = _Checker(path)
     checker.visit(tree)
-    return checker.findings
+    return list(dict.fromkeys(checker.findings))  # a nested function is walked twice
 
 
 def check_files(paths, root: Path) -> list[str]:

@@ -42,10 +42,25 @@ def step(self):
     dist.all_reduce(had_grad, group=self.group)
 """, ["gloo-only", "cpu-tensor"]),
     "bare cuda": ("""
-def time_step(model, x):
+def time_step(model, x, rank):
     out = model(x.cuda())
+    w = model.weight.cuda(rank)
     torch.cuda.synchronize()
+""", ["bare-cuda", "bare-cuda", "bare-cuda"]),
+    "the wrong branch": ("""
+def time_step(device):
+    if device.type == "cuda":
+        pass
+    else:
+        torch.cuda.synchronize()
+    if device.type != "cuda":
+        torch.cuda.synchronize()
 """, ["bare-cuda", "bare-cuda"]),
+    "what only gloo offers": ("""
+def serve(buf):
+    sender = dist.recv(buf)
+    dist.all_reduce(buf, op=dist.ReduceOp.BAND)
+""", ["nccl-op", "nccl-op"]),
 }
 
 
@@ -72,5 +87,19 @@ def cpu_side(x):
 def report(device):
     if device.type != "cuda":
         return None
+    torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.max_memory_allocated(device)
+def moved(device, world, gloo_pg):
+    t = torch.zeros(3)
+    t = t.to(device)
+    dist.all_reduce(t)
+    flags = torch.ones(2)
+    dist.all_reduce(flags, dist.ReduceOp.SUM, gloo_pg)  # a gloo group, passed by position
+    torch.cuda.manual_seed_all(0)  # safe without a GPU
+    other = torch.zeros(2)
+    if device.type != "cuda":
+        pass
+    else:
+        torch.cuda.synchronize(device)
+    dist.recv(other.to(device), src=0)
 """) == []

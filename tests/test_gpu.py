@@ -2,11 +2,12 @@
 
 On a machine without CUDA every test here is skipped with the reason shown. With one GPU:
 
-  * every training script of the course at world 1 on CUDA with NCCL (bf16 where the script has a
-    precision flag), a few steps: it must finish, train on the GPU and report its peak memory;
+  * every training script of the course at world 1 on CUDA (bf16 where the script has a
+    precision flag; gloo-only scripts aside), a few steps: it must finish, train on the GPU and
+    report its peak memory. One rank exercises the CUDA code paths, not NCCL's transports;
   * the `--device cuda` commands of the READMEs that fit the GPUs present;
-  * peak CUDA memory of a DDP run beside the memory estimator's model states (the peak holds at
-    least the weights, gradients and Adam's state the estimator counts);
+  * peak CUDA memory of a DDP run printed beside the memory estimator's prediction for the same
+    model and batch (asserted: the peak holds at least the model states the estimator counts);
   * tokens/s and MFU of `fsdp_transformer.py` in bf16 (6N + 12LHQT FLOPs per token over the GPU's
     dense bf16 peak), printed with the GPU's name;
   * HBM copy bandwidth, the single-GPU bound for the bandwidth test.
@@ -18,6 +19,7 @@ untested on NCCL until a multi-GPU node runs the READMEs' commands.
 """
 
 import math
+import os
 import re
 
 import pytest
@@ -31,6 +33,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="no CUDA GPU on this machine: the GPU tier runs where one is (pytest -m gpu tests)")]
 
+# The launches see the GPUs: the suite's launch helpers hide them (CUDA_VISIBLE_DEVICES="") so that
+# the CPU tier proves the CPU path.
+GPUS = {"CUDA_VISIBLE_DEVICES": os.environ.get(
+    "CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))}
+
+# World-1 settings where the CPU suite's world-2 ones need two ranks, and scripts that refuse CUDA.
+WORLD1_ARGS = {"05-advanced/a-tensor-sequence-hybrid/hybrid_parallelism.py":
+               ["--steps", "2", "--pp", "1", "--microbatches", "2"]}
+GLOO_ONLY = {"05-advanced/c-data-parallel-techniques/async_sgd.py"}
+
 # The flag that turns on bf16, for the scripts that have one.
 BF16 = {"01-ddp-basics/ddp_training.py": ["--precision", "bf16"],
         "02-fsdp/fsdp_from_scratch.py": ["--compute-dtype", "bf16"],
@@ -40,9 +52,11 @@ BF16 = {"01-ddp-basics/ddp_training.py": ["--precision", "bf16"],
 
 @pytest.mark.parametrize("script,args", TRAINING_SCRIPTS, ids=[s for s, _ in TRAINING_SCRIPTS])
 def test_training_script_runs_on_one_gpu(tmp_path, script, args):
+    if script in GLOO_ONLY:
+        pytest.skip("gloo only: it refuses --device cuda (its GLOO_ONLY says why)")
     metrics = tmp_path / "m.json"
-    run_torchrun(script, *args, *BF16.get(script, []), "--device", "cuda", "--metrics-out",
-                 metrics, nproc=1, timeout=300)
+    run_torchrun(script, *WORLD1_ARGS.get(script, args), *BF16.get(script, []), "--device", "cuda",
+                 "--metrics-out", metrics, nproc=1, timeout=300, env=GPUS)
     m = read_json(metrics)
     runs = list(m["runs"].values()) if "runs" in m else [m]  # several variants in one launch
     for run in runs:
@@ -60,7 +74,12 @@ def _gpus_needed(command: str) -> int:
     nodes = flag(r"--nnodes[= ](\d+)") * flag(r"srun[^|;]*?-N\s*(\d+)")
     per_node = flag(r"--nproc_per_node[= ](\d+)") * flag(r"--num_gpus[= ](\d+)") * flag(
         r"--ntasks-per-node[= ](\d+)")
-    return nodes * per_node
+    # distributed_benchmarks.py starts its own ranks: --world N (memory: 2 unless given),
+    # --worlds a,b,c
+    worlds = re.search(r"--worlds[= ]([\d,]+)", command)
+    inner = max(map(int, worlds.group(1).split(","))) if worlds else flag(
+        r"--world[= ](\d+)", 2 if re.search(r"distributed_benchmarks\.py memory", command) else 1)
+    return nodes * per_node * inner
 
 
 # Every README command (```bash and ```sh blocks) that asks for CUDA.
@@ -75,28 +94,36 @@ CUDA_COMMANDS = sorted({(str(doc.relative_to(REPO)), c)
 def test_documented_cuda_command_runs(doc, command):
     if _gpus_needed(command) > torch.cuda.device_count():
         pytest.skip(f"needs {_gpus_needed(command)} GPUs, {torch.cuda.device_count()} here")
-    run_readme_command(command, timeout=300)
+    run_readme_command(command, timeout=300, env=GPUS)
 
 
-def test_ddp_peak_memory_holds_the_estimators_model_states(tmp_path):
+def test_ddp_peak_memory_beside_the_estimator(tmp_path):
+    """The estimator's prediction for this model and batch is printed beside the measured peak
+    (for the README); asserted is only what must hold on any GPU: the peak holds at least the
+    model states (weights, gradients, Adam) the estimator counts for DDP in fp32."""
     me = load_script("benchmarks/memory_estimator.py")
     metrics = tmp_path / "m.json"
+    shape = {"layers": 2, "dim": 64, "heads": 4, "seq_len": 64, "batch_size": 8}
     run_torchrun("02-fsdp/fsdp_transformer.py", "--steps", "3", "--strategy", "ddp", "--device",
-                 "cuda", "--metrics-out", metrics, nproc=1, timeout=300)
+                 "cuda", "--layers", shape["layers"], "--dim", shape["dim"], "--heads",
+                 shape["heads"], "--seq-len", shape["seq_len"], "--batch-size",
+                 shape["batch_size"], "--metrics-out", metrics, nproc=1, timeout=300, env=GPUS)
     m = read_json(metrics)
-    held = m["per_rank"][0]
-    states = held["param_bytes"] + held["grad_bytes"] + held["optim_bytes"]
-    assert states >= me.estimate(m["params"], 1, "ddp", "fp32")["total_bytes"]
-    print(f"\n{torch.cuda.get_device_name()}: DDP peak {held['peak_bytes']:,} B, model states "
-          f"{states:,} B")
-    assert held["peak_bytes"] >= states
+    peak = m["per_rank"][0]["peak_bytes"]
+    predicted = me.estimate(m["params"], 1, "ddp", "fp32", layers=shape["layers"],
+                            hidden=shape["dim"], heads=shape["heads"], seq_len=shape["seq_len"],
+                            batch_size=shape["batch_size"])
+    print(f"\n{torch.cuda.get_device_name()}: DDP peak {peak:,} B; estimator: model states "
+          f"{predicted['params_bytes'] + predicted['grads_bytes'] + predicted['optim_bytes']:,} B,"
+          f" activations {predicted['activations_bytes']:,} B, total {predicted['total_bytes']:,} B")
+    assert peak >= predicted["params_bytes"] + predicted["grads_bytes"] + predicted["optim_bytes"]
 
 
 def test_fsdp_transformer_tokens_per_s_and_mfu(tmp_path):
     metrics = tmp_path / "m.json"
     run_torchrun("02-fsdp/fsdp_transformer.py", "--steps", "20", "--strategy", "full",
                  "--mixed-precision", "bf16", "--device", "cuda", "--metrics-out", metrics,
-                 nproc=1, timeout=300)
+                 nproc=1, timeout=300, env=GPUS)
     m = read_json(metrics)
     print(f"\n{torch.cuda.get_device_name()}: {m['tokens_per_s']:,.0f} tokens/s, MFU "
           f"{m['mfu']}")
@@ -104,8 +131,16 @@ def test_fsdp_transformer_tokens_per_s_and_mfu(tmp_path):
     assert m["mfu"] is None or 0 < m["mfu"] < 1  # None: a GPU whose peak the script does not know
 
 
+# HBM bandwidth from NVIDIA's data sheets (GB/s), the most specific name first.
+HBM_GBPS = [("H100 PCIe", 2000), ("H100 NVL", 3900), ("H200", 4800), ("H100", 3350),
+            ("A100-SXM4-80GB", 2039), ("A100", 1555)]
+
+
 def test_hbm_copy_bandwidth():
-    """A device-to-device copy reads and writes every byte: 2 x size / time."""
+    """A device-to-device copy reads and writes every byte: 2 x size / time. A copy reaches most
+    of the data sheet's bandwidth (typically 80-90%): asserted between half of it and all of it,
+    where the GPU is in the table."""
+    name = torch.cuda.get_device_name()
     x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")  # 1 GiB
     y = torch.empty_like(x)
     for _ in range(3):
@@ -116,6 +151,9 @@ def test_hbm_copy_bandwidth():
         y.copy_(x)
     end.record()
     torch.cuda.synchronize()
-    gbps = 10 * 2 * x.numel() * 4 / (start.elapsed_time(end) / 1e3) / 1e9
-    print(f"\n{torch.cuda.get_device_name()}: HBM copy {gbps:,.0f} GB/s")
-    assert 50 < gbps < 20_000  # any GPU of the last decade, and below any HBM's peak
+    gbps = 10 * 2 * x.numel() * x.element_size() / (start.elapsed_time(end) / 1e3) / 1e9
+    peak = next((v for k, v in HBM_GBPS if k in name), None)
+    print(f"\n{name}: HBM copy {gbps:,.0f} GB/s (data sheet: {peak or 'not in the table'})")
+    if peak is None:
+        pytest.skip(f"{name} is not in HBM_GBPS: measured {gbps:,.0f} GB/s, nothing to compare")
+    assert 0.5 * peak < gbps <= 1.02 * peak
