@@ -347,3 +347,13 @@ def test_every_script_answers_help():
     for script in (TRAIN, MNIST, BENCH):
         result = launch([PYTHON, script, "--help"], timeout=30)
         assert "--device" in result.stdout and "--timeout-s" in result.stdout
+
+
+def test_mnist_setup_pins_one_thread_per_rank_whatever_omp_num_threads():
+    """ddp_mnist.py writes its set-up out (it teaches it) and pins one CPU thread per rank there,
+    as dtcourse.launch does for every other script: with more threads the last digits of its loss
+    would depend on the machine's core count, and its README quotes them."""
+    code = ("import sys, torch; sys.path.insert(0, '01-ddp-basics'); import ddp_mnist as m; "
+            "d = m.init_distributed('cpu', 60); print(torch.get_num_threads()); m.teardown()")
+    out = launch([PYTHON, "-c", code], env={"OMP_NUM_THREADS": "2"}, timeout=120)
+    assert out.stdout.split() == ["1"], out.stdout

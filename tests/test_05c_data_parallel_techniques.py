@@ -216,6 +216,20 @@ def test_powersgd_and_topk_compress_and_still_learn(compression):
         assert drop > 0.5 * base_drop, (method, drop, base_drop)
 
 
+def test_wire_ratio_of_topk_shrinks_with_the_world_size_and_powersgds_does_not(tmp_path):
+    """On a ring an all-reduce sends 2(W-1)/W x its payload per rank, an all-gather (W-1) x: at
+    W = 4 top-k's ratio on the wire is half its payload ratio (2/W), PowerSGD's (all-reduces)
+    equals its payload ratio. At W = 2 the two formulas coincide, so this needs 4 ranks."""
+    run_torchrun(COMPRESS, "--steps", "4", "--methods", "none", "powersgd", "topk",
+                 "--powersgd-start", "2", "--metrics-out", tmp_path / "m.json", nproc=4)
+    rows = {r["method"]: r for r in read_json(tmp_path / "m.json")["methods"]}
+    assert rows["none"]["wire_ratio"] == pytest.approx(1.0)
+    assert rows["topk"]["wire_ratio"] == pytest.approx(rows["topk"]["compression_ratio"] / 2,
+                                                       rel=1e-6)
+    assert rows["powersgd"]["wire_ratio"] == pytest.approx(rows["powersgd"]["compression_ratio"],
+                                                           rel=1e-6)
+
+
 def test_compression_exports_and_figure(compression, tmp_path):
     m = read_json(compression / "m.json")
     assert m["world_size"] == 2 and m["global_batch"] == 64 and len(m["losses"]) == 30

@@ -93,3 +93,17 @@ def test_the_quote_check_catches_a_changed_number():
     assert quoted_output.check("bytes 1,025 | bubble ~0.713", fresh)
     assert quoted_output.check("step 11 | loss 2.3456 | 812 samples/s", fresh)
     assert quoted_output.check("a line it never printed", fresh)
+
+
+def test_every_documented_elastic_restart_disables_the_shared_rendezvous_store():
+    """torchrun --max-restarts reuses the agent's TCP store across restarts unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; without it a restart can hang or fail to reconnect (seen
+    in one run of three). Every documented elastic command, run here or not, sets it."""
+    found = 0
+    for doc in DOCS:
+        for _, _, lang, body, _ in quoted_output.code_blocks(doc.read_text()):
+            for command in quoted_output.block_commands(body) if lang in ("bash", "sh") else []:
+                if "torchrun" in command and "--max-restarts" in command:
+                    found += 1
+                    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in command, (doc, command)
+    assert found >= 2

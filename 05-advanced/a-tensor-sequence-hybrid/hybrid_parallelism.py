@@ -107,7 +107,11 @@ def apply_tp(model: Stage, tp_mesh) -> None:
 def apply_fsdp(model: Stage, dp_mesh, reshard_after_forward: bool) -> None:
     """FSDP2 over the dp mesh dim: each block is one unit (its parameters all-gathered just before
     it runs, its gradients reduce-scattered as soon as they are ready), the root holds the rest.
-    A TP-split weight becomes a 2-D DTensor, sharded over dp and over tp."""
+    A TP-split weight becomes a 2-D DTensor, sharded over dp and over tp. The root gets the same
+    reshard_after_forward as the blocks, on purpose: every parameter is then gathered twice per
+    step and the traffic is exactly 3(d-1)/d x P, the formula the README compares TP with (lesson
+    02 keeps the root gathered after forward, as torch recommends, which saves one all-gather of
+    the root)."""
     try:
         from torch.distributed.fsdp import fully_shard  # torch >= 2.6
     except ImportError:

@@ -129,7 +129,8 @@ def make_model(method, args, d):
 
 def train(method, args, d, counter):
     """--steps of SGD with momentum; returns the model, the hook's state, the mean loss over the
-    global batch and the bytes this rank handed to collectives, per step, and samples/s."""
+    global batch, (payload bytes, ring wire bytes) this rank handed to collectives per step,
+    and samples/s."""
     model, ddp, state = make_model(method, args, d)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     losses, sent, t0 = [], [], time.perf_counter()
@@ -137,10 +138,10 @@ def train(method, args, d, counter):
         x_all, y_all = classification_batch(args.seed, step, d.world_size * args.batch_size)
         rows = rank_rows(d.rank, args.batch_size)
         loss = F.cross_entropy(ddp(x_all[rows].to(d.device)), y_all[rows].to(d.device))
-        counter.bytes, counter.counting = 0, True
+        counter.bytes, counter.wire, counter.counting = 0, 0.0, True
         loss.backward()  # DDP runs the hook per bucket and waits for its future before returning
         counter.counting = False
-        sent.append(counter.bytes)
+        sent.append((counter.bytes, round(counter.wire)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
@@ -162,24 +163,29 @@ class CollectiveBytes:
     payload, including the P and Q all-reduces PowerSGD launches from futures' callbacks. (A
     dispatcher-level counter such as dtcourse.comm.CollectiveCounter is thread-local: on gloo
     those callbacks run on the communication thread, and it sees only the first all-reduce.)
-    The count is the payload per rank. On the wire a ring all-reduce sends 2(W-1)/W x its payload
-    per rank, a ring all-gather (W-1) x its payload: top-k's advantage shrinks as W grows.
+    `bytes` is the payload per rank; `wire` what a ring sends for it per rank: 2(W-1)/W x the
+    payload of an all-reduce, (W-1) x the payload of an all-gather (every rank receives every
+    other rank's piece), so top-k's advantage shrinks as W grows.
     """
 
-    def __init__(self):
-        self.counting, self.bytes = False, 0
+    def __init__(self, world: int):
+        self.counting, self.bytes, self.wire, self.world = False, 0, 0.0, world
 
     def __enter__(self):
         self.originals = dist.all_reduce, dist.all_gather
 
+        W = self.world
+
         def all_reduce(tensor, *args, **kwargs):
             if self.counting:
                 self.bytes += tensor.numel() * tensor.element_size()
+                self.wire += 2 * (W - 1) / W * tensor.numel() * tensor.element_size()
             return self.originals[0](tensor, *args, **kwargs)
 
         def all_gather(tensor_list, tensor, *args, **kwargs):
             if self.counting:
                 self.bytes += tensor.numel() * tensor.element_size()
+                self.wire += (W - 1) * tensor.numel() * tensor.element_size()
             return self.originals[1](tensor_list, tensor, *args, **kwargs)
 
         dist.all_reduce, dist.all_gather = all_reduce, all_gather
@@ -191,20 +197,22 @@ class CollectiveBytes:
 
 def run(args, d):
     rows, trained = [], []
-    with CollectiveBytes() as counter:
+    with CollectiveBytes(d.world_size) as counter:
         for method in args.methods:
             model, optimizer, state, losses, sent, samples_per_s = train(method, args, d,
                                                                          counter)
             dense = sum(p.numel() * 4 for p in model.parameters())  # fp32 grads, uncompressed
+            dense_wire = 2 * (d.world_size - 1) / d.world_size * dense  # one ring all-reduce
             # Median bytes per step after PowerSGD's warm-up of plain all-reduces (the other
             # methods send the same amount every step).
             later = sorted(sent[args.powersgd_start:]) or sorted(sent)
-            steady = later[len(later) // 2]
+            steady, wire = later[len(later) // 2]
             tail = losses[-5:]
             rows.append({"method": method, "bytes_per_step": steady, "dense_bytes": dense,
-                         "compression_ratio": dense / steady, "losses": losses,
-                         "final_loss": sum(tail) / len(tail), "bytes_each_step": sent,
-                         "samples_per_s": samples_per_s})
+                         "compression_ratio": dense / steady, "wire_bytes_per_step": wire,
+                         "wire_ratio": dense_wire / wire if wire else None, "losses": losses,
+                         "final_loss": sum(tail) / len(tail),
+                         "bytes_each_step": [b for b, _ in sent], "samples_per_s": samples_per_s})
             trained.append((model, optimizer))
     print_table(args, d.world_size, rows)
     write_outputs(args, d, trained, rows)
@@ -219,14 +227,17 @@ def print_table(args, world, rows) -> None:
     for step in sorted({0, args.steps - 1, *range(args.log_every - 1, args.steps,
                                                   args.log_every)}):
         report.print0(f"{step + 1:5d}  " + " ".join(f"{r['losses'][step]:9.4f}" for r in rows))
-    report.print0(f"{'method':<9} {'bytes/step':>10} {'ratio':>7} {'loss, last 5 steps':>18} "
-                  f"{'vs none':>8}")
+    # ratio: payload against the dense gradient; on the wire: what a ring sends per rank at this
+    # world size against a dense all-reduce (top-k's all-gather grows with W, the others do not)
+    report.print0(f"{'method':<9} {'bytes/step':>10} {'ratio':>7} {'on the wire':>11} "
+                  f"{'loss, last 5 steps':>18} {'vs none':>8}")
     for r in rows:
         # + 0.0 turns a rounded -0.0 into 0.0
         r["loss_cost"] = round(r["final_loss"] - base["final_loss"], 4) + 0.0 if base else None
         cost = f"{r['loss_cost']:+8.4f}" if base else "       -"
+        wire = "-" if r["wire_ratio"] is None else f"{r['wire_ratio']:.1f}x"
         report.print0(f"{r['method']:<9} {r['bytes_per_step']:10d} "
-                      f"{r['compression_ratio']:6.1f}x {r['final_loss']:18.4f} {cost}")
+                      f"{r['compression_ratio']:6.1f}x {wire:>11} {r['final_loss']:18.4f} {cost}")
 
 
 # --------------------------------------------------------------------------------------------------
