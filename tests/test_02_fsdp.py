@@ -251,6 +251,17 @@ def test_communication_volume_full_shard_vs_ddp(gpt):
     assert ddp["all_reduce"]["sent_bytes"] == ddp["all_reduce"]["tensor_bytes"]
     sent = full["all_gather"]["sent_bytes"] + full["reduce_scatter"]["sent_bytes"]
     assert sent / ddp["all_reduce"]["sent_bytes"] == pytest.approx(ratio)
+    # SHARD_GRAD_OP gathers the parameters once and reduce-scatters the gradients once: DDP's
+    # volume, plus only the padding of uneven shards
+    assert grad_op["reduce_scatter"]["tensor_bytes"] == 4 * padded
+    assert (grad_op["all_gather"]["sent_bytes"] + grad_op["reduce_scatter"]["sent_bytes"]) \
+        / ddp["all_reduce"]["sent_bytes"] == pytest.approx(padded / P)
+    # At world 4 a rank sends 3/4 of each gathered or scattered tensor, (N-1)/N
+    full4 = gpt("full@4")[0]["comms_per_step"]
+    for kind in ("all_gather", "reduce_scatter"):
+        assert full4[kind]["group_sizes"] == [4]
+        assert full4[kind]["sent_bytes"] == pytest.approx(0.75 * full4[kind]["tensor_bytes"],
+                                                          abs=full4[kind]["calls"])
 
 
 def test_hybrid_sends_only_gradient_shards_across_replicas(gpt):
