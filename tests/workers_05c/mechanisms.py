@@ -46,7 +46,7 @@ def accumulation_grads(d) -> dict:
 def error_feedback(d, steps: int) -> dict:
     compress = lesson("gradient_compression")
     args = compress.parse_args(["--steps", str(steps), "--methods", "topk"])
-    with compress.CollectiveBytes() as counter:
+    with compress.CollectiveBytes(d.world_size) as counter:
         model, _, state, _, _, _ = compress.train("topk", args, d, counter)
     names = {id(p): n for n, p in model.named_parameters()}
     return {kind: {names[i]: t.cpu() for i, t in store.items()}
