@@ -181,14 +181,7 @@ def say(line: str) -> None:
 
 def mismatch_demo(rank, world, device, timeout_s) -> None:
     """Rank 0 averages a metric for its log line; the other ranks go straight on to the broadcast
-    of the next step. On gloo rank 0 waits in all_reduce, the others in broadcast: nobody can
-    finish, and the timeout raises the error reported below.
-
-    NCCL matches collectives only by their order on the communicator, not by kind or size: rank
-    0's all_reduce and the others' broadcast can pair up into one malformed collective, which
-    hangs or delivers wrong data and leaves rank 0 alone in its broadcast (rank 0 also blocks in
-    loss.item()). Only TORCH_DISTRIBUTED_DEBUG=DETAIL, which compares the ranks' collectives
-    before running them, turns the mismatch into an exception there."""
+    of the next step. On gloo nobody can finish (NCCL behaves otherwise: see the end)."""
     calling = "all_reduce"
     try:
         loss = vec([rank], device)
@@ -199,10 +192,7 @@ def mismatch_demo(rank, world, device, timeout_s) -> None:
         weights = torch.zeros(4, device=device)
         dist.broadcast(weights, src=0)
         if device.type == "cuda":
-            # NCCL only queued the calls. If they hang, this wait ends in no Python exception:
-            # after the timeout NCCL's watchdog logs "Watchdog caught collective operation
-            # timeout" and tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING,
-            # nccl_debugging.md). The report below is gloo's.
+            # NCCL only queued the calls (what it does here: see the end of this file)
             torch.cuda.synchronize(device)
     except RuntimeError as exc:
         msg = str(exc)
@@ -276,3 +266,12 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+# The mismatch demo on NCCL. NCCL matches collectives only by their order on the communicator,
+# not by kind or size: rank 0's all_reduce and the others' broadcast can pair up into one malformed
+# collective, which hangs or delivers wrong data and leaves rank 0 alone in its broadcast (rank 0
+# also blocks in loss.item()). Only TORCH_DISTRIBUTED_DEBUG=DETAIL, which compares the ranks'
+# collectives first, raises. A hang ends in no Python exception: after the timeout NCCL's watchdog
+# logs "Watchdog caught collective operation timeout" and tears the process down
+# (nccl_debugging.md). The error report of mismatch_demo is gloo's.
