@@ -377,6 +377,13 @@ def quoted_pairs() -> tuple[dict, ...]:
     return tuple(quoted_output.quoted_outputs(docs()))
 
 
+def all_documented_commands() -> list[tuple[Path, str]]:
+    """(document, command) for every command of every ```bash and ```sh block, run here or not."""
+    return [(doc, command) for doc in docs()
+            for _, _, lang, body, _ in quoted_output.code_blocks(doc.read_text())
+            if lang in ("bash", "sh") for command in quoted_output.block_commands(body)]
+
+
 def quoted_outputs_of(command: str) -> list[dict]:
     """The quoted outputs of a README command (a ```text block right after its ```bash block)."""
     return [q for q in quoted_pairs() if q["commands"] == [command]]

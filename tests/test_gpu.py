@@ -25,8 +25,8 @@ import re
 import pytest
 import torch
 
-import quoted_output
-from conftest import REPO, docs, load_script, read_json, run_readme_command, run_torchrun
+from conftest import (REPO, all_documented_commands, load_script, read_json, run_readme_command,
+                      run_torchrun)
 from test_launchers import TRAINING_SCRIPTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -38,10 +38,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 GPUS = {"CUDA_VISIBLE_DEVICES": os.environ.get(
     "CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))}
 
-# World-1 settings where the CPU suite's world-2 ones need two ranks, and scripts that refuse CUDA.
+# World-1 settings where the CPU suite's world-2 ones need two ranks.
 WORLD1_ARGS = {"05-advanced/a-tensor-sequence-hybrid/hybrid_parallelism.py":
                ["--steps", "2", "--pp", "1", "--microbatches", "2"]}
-GLOO_ONLY = {"05-advanced/c-data-parallel-techniques/async_sgd.py"}
 
 # The flag that turns on bf16, for the scripts that have one.
 BF16 = {"01-ddp-basics/ddp_training.py": ["--precision", "bf16"],
@@ -52,7 +51,7 @@ BF16 = {"01-ddp-basics/ddp_training.py": ["--precision", "bf16"],
 
 @pytest.mark.parametrize("script,args", TRAINING_SCRIPTS, ids=[s for s, _ in TRAINING_SCRIPTS])
 def test_training_script_runs_on_one_gpu(tmp_path, script, args):
-    if script in GLOO_ONLY:
+    if re.search(r"^GLOO_ONLY = ", (REPO / script).read_text(), flags=re.M):
         pytest.skip("gloo only: it refuses --device cuda (its GLOO_ONLY says why)")
     metrics = tmp_path / "m.json"
     run_torchrun(script, *WORLD1_ARGS.get(script, args), *BF16.get(script, []), "--device", "cuda",
@@ -83,10 +82,8 @@ def _gpus_needed(command: str) -> int:
 
 
 # Every README command (```bash and ```sh blocks) that asks for CUDA.
-CUDA_COMMANDS = sorted({(str(doc.relative_to(REPO)), c)
-                        for doc in docs() for _, _, lang, body, _ in quoted_output.code_blocks(
-                            doc.read_text()) if lang in ("bash", "sh")
-                        for c in quoted_output.block_commands(body) if "--device cuda" in c})
+CUDA_COMMANDS = sorted({(str(doc.relative_to(REPO)), c) for doc, c in all_documented_commands()
+                        if "--device cuda" in c})
 
 
 @pytest.mark.parametrize("doc,command", CUDA_COMMANDS, ids=[f"{d}::{c[:70]}"

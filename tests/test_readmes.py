@@ -19,7 +19,8 @@ import ast
 import pytest
 
 import quoted_output
-from conftest import REPO, quoted_pairs, readme_commands, run_readme_command
+from conftest import (REPO, all_documented_commands, quoted_pairs, readme_commands,
+                      run_readme_command)
 
 TEST_COMMAND = "pip install -r requirements.txt && python -m pytest tests"
 
@@ -99,11 +100,8 @@ def test_every_documented_elastic_restart_disables_the_shared_rendezvous_store()
     """torchrun --max-restarts reuses the agent's TCP store across restarts unless
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; without it a restart can hang or fail to reconnect (seen
     in one run of three). Every documented elastic command, run here or not, sets it."""
-    found = 0
-    for doc in DOCS:
-        for _, _, lang, body, _ in quoted_output.code_blocks(doc.read_text()):
-            for command in quoted_output.block_commands(body) if lang in ("bash", "sh") else []:
-                if "torchrun" in command and "--max-restarts" in command:
-                    found += 1
-                    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in command, (doc, command)
-    assert found >= 2
+    elastic = [(doc, command) for doc, command in all_documented_commands()
+               if "torchrun" in command and "--max-restarts" in command]
+    assert len(elastic) >= 2
+    for doc, command in elastic:
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in command, (doc, command)
