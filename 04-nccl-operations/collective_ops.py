@@ -270,8 +270,9 @@ if __name__ == "__main__":
 
 # The mismatch demo on NCCL. NCCL matches collectives only by their order on the communicator,
 # not by kind or size: rank 0's all_reduce and the others' broadcast can pair up into one malformed
-# collective, which hangs or delivers wrong data and leaves rank 0 alone in its broadcast (rank 0
-# also blocks in loss.item()). Only TORCH_DISTRIBUTED_DEBUG=DETAIL, which compares the ranks'
-# collectives first, raises. A hang ends in no Python exception: after the timeout NCCL's watchdog
-# logs "Watchdog caught collective operation timeout" and tears the process down
-# (nccl_debugging.md). The error report of mismatch_demo is gloo's.
+# collective, which either hangs (rank 0 then blocks in loss.item()) or completes with wrong data,
+# after which rank 0's broadcast waits alone. TORCH_DISTRIBUTED_DEBUG=DETAIL raises a mismatch
+# error before the collective runs; TORCH_NCCL_BLOCKING_WAIT=1 raises a timeout error. By default
+# a hang ends in no Python exception: after the timeout NCCL's watchdog logs "Watchdog caught
+# collective operation timeout" and tears the process down (nccl_debugging.md). The error report
+# of mismatch_demo is gloo's.

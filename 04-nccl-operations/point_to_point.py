@@ -128,11 +128,13 @@ def deadlock(rank, world, numel, device, timeout_s) -> None:
     """The bug: every rank calls a blocking send first. Each send waits for a receiver, every
     receiver is itself stuck in send, and the process group's timeout ends it.
 
-    That is gloo's behaviour, which the except below reports. On NCCL the blocking send makes
-    this rank's stream wait for it and the recv waits on that stream: a message NCCL can buffer
-    gets through, a larger one waits for a receive that is never posted, at any number of ranks.
-    That hang ends, by default, with NCCL's watchdog tearing the process down after the timeout,
-    not with an exception here."""
+    That is gloo's behaviour, which the except below reports. On NCCL, once the pair's
+    communicator exists (run_patterns created it), the blocking send makes this rank's stream wait
+    for it and the recv waits on that stream: a message NCCL can buffer gets through, a larger one
+    waits for a receive that is never posted. (On a first exchange at world >= 3 the ranks would
+    deadlock earlier, creating the two-rank communicators, at any size.) That hang ends, by
+    default, with NCCL's watchdog tearing the process down after the timeout, not with an
+    exception here."""
     right, left = (rank + 1) % world, (rank - 1) % world
     got = torch.empty(numel, device=device)
     try:

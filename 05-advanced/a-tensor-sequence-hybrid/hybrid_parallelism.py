@@ -108,8 +108,9 @@ def apply_fsdp(model: Stage, dp_mesh, reshard_after_forward: bool) -> None:
     """FSDP2 over the dp mesh dim: each block is one unit (its parameters all-gathered just before
     it runs, its gradients reduce-scattered as soon as they are ready), the root holds the rest.
     A TP-split weight becomes a 2-D DTensor, sharded over dp and over tp. The root gets the same
-    reshard_after_forward as the blocks, on purpose: every parameter is then gathered twice per
-    step and the traffic is exactly 3(d-1)/d x P, the formula the README compares TP with (lesson
+    reshard_after_forward as the blocks, on purpose: on torch 2.14, which honours an explicit True
+    for the root too, every parameter is then gathered twice per step and the traffic is 3(d-1)/d
+    x P plus shard padding, the formula the README compares TP with (lesson
     02 keeps the root gathered after forward, as torch recommends, which saves one all-gather of
     the root)."""
     try:

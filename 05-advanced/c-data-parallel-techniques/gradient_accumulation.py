@@ -19,8 +19,8 @@ Each micro-step's loss is a mean over its B samples. Dividing it by A makes the 
 gradient the gradient of the mean over all A*B samples, so the step equals one step on the whole
 batch. Forgetting the division (--buggy) gives A times that gradient: for SGD this is the learning
 rate multiplied by A; Adam hides it almost completely (it divides by the gradient's own scale), so
-the bug only surfaces when you switch to SGD, clip gradients, or compare the logged loss or
-gradient norm with a run without accumulation (changing A does not reveal it).
+the bug surfaces when you switch to SGD, clip gradients, or compare the logged gradient norm (not
+the loss) with a run without accumulation; under Adam without clipping, changing A hardly shows it.
 """
 
 import contextlib
