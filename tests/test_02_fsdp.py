@@ -307,22 +307,27 @@ def scratch(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("scratch"), specs)
 
 
-@pytest.mark.parametrize("run,atol", [
-    # fp32 AdamW: the gradient sums differ in the last bits between 2 ranks and one process,
-    # and AdamW magnifies that on tiny-gradient coordinates (see ADAMW); measured 3.9e-6.
-    ("w2-adamw", 0.01 * SCRATCH_LR),
-    # bf16 compute, SGD: each of the 3 ranks rounds its third of the batch gradient to bf16
-    # (8 significant bits) where the reference rounds the whole batch's once; measured 6.9e-5
-    # after 8 steps, on weights of ~0.1. 1e-3 allows that and stays 100x below the weights'
-    # scale: a wrong shard, missing padding or a lost reduction is far larger.
-    ("w3-sgd-bf16", 1e-3),
-])
-def test_scratch_fsdp_matches_single_process(scratch, run, atol):
+@pytest.mark.parametrize("run", ["w2-adamw", "w3-sgd-bf16"])
+def test_scratch_fsdp_matches_single_process(scratch, run):
     metrics, exports = scratch(run)
     weights, single = exports["w.pt"], exports["ref.pt"]
     # w.pt is gather_full_params() loaded into the unwrapped model: its keys include the tied
     # head.weight (== tok.weight) and the frozen pos, which must not have moved either.
-    assert_state_dicts_close(weights, single, rtol=0, atol=atol, msg=f"{run} vs one process")
+    if run == "w2-adamw":
+        # fp32 AdamW: the gradient sums differ in the last bits between 2 ranks and one process,
+        # and AdamW can turn that into a step on a tiny-gradient coordinate: the argued bound of
+        # conftest.assert_adamw_close (8 steps at the script's lr). Measured: 3.9e-6 at most.
+        assert_adamw_close(weights, single, lr=SCRATCH_LR, steps=8, msg=f"{run} vs one process")
+    else:
+        # bf16 compute, SGD: each of the 3 ranks rounds its third of the batch gradient to bf16
+        # (8 significant bits) where the reference rounds the whole batch's once. SGD passes that
+        # through linearly: a weight moves by lr x its gradient, so per step the two differ by
+        # about lr x 2^-8 x |gradient| per rounded partial (|gradient| <= 0.17 here, measured):
+        # 8 steps x 3 partials x 1e-2 x 2^-8 x 0.17 = 1.6e-4, plus what the changed weights
+        # feed forward. Measured 6.9e-5. 1e-3 allows 6x that bound and stays 100x below the
+        # weights' scale (~0.1): a wrong shard, missing padding or a lost reduction moves
+        # weights by whole updates (lr x 0.17 per step on every element it touches).
+        assert_state_dicts_close(weights, single, rtol=0, atol=1e-3, msg=f"{run} vs one process")
     assert torch.equal(weights["head.weight"], weights["tok.weight"])
     assert all(v.dtype == torch.float32 for v in weights.values())  # fp32 master weights
     # loss of every step: fp32 agrees to ~1e-7 relative; bf16 logits to ~1e-3
@@ -407,9 +412,9 @@ def test_checkpoint_saved_at_world_4_resumes_at_world_2(ckpt):
     assert ckpt["b"]["resumed"] == {"path": str(ckpt["root"] / "b" / "step_000003"), "step": 3,
                                     "saved_world_size": 4}
     # Steps 4-6 on 2 ranks vs the same steps on 4: the gradient sums differ in the last bits,
-    # which AdamW can magnify as above: 1% of one step (lr 3e-3). Measured 1.2e-7.
-    assert_state_dicts_close(ckpt["b.pt"], ckpt["a.pt"], rtol=0, atol=0.01 * 3e-3,
-                             msg="world 4 -> 2 vs world 4 throughout")
+    # which AdamW can magnify (conftest.assert_adamw_close; 3 steps at lr 3e-3). Measured 1.2e-7.
+    assert_adamw_close(ckpt["b.pt"], ckpt["a.pt"], lr=3e-3, steps=3,
+                       msg="world 4 -> 2 vs world 4 throughout")
     torch.testing.assert_close(torch.tensor(ckpt["b"]["losses"]),
                                torch.tensor(ckpt["a"]["losses"][3:]), rtol=1e-5, atol=0)
 
