@@ -124,10 +124,11 @@ def latest_checkpoint(ckpt_dir: Path):
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler, scaler, rank: int,
-                    keep: int):
+                    keep: int, recent_losses: list):
     if rank == 0:
         state = {
             "step": step,
+            "recent_losses": recent_losses,  # so the smoothed loss goes on across a resume
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
@@ -143,14 +144,15 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler, scal
     dist.barrier()  # nobody reads or moves on before the file is complete
 
 
-def resume(args, d, model, optimizer, scheduler, scaler) -> int:
-    """Load the newest checkpoint of --ckpt-dir into every rank; return the step to start from."""
+def resume(args, d, model, optimizer, scheduler, scaler) -> tuple[int, list]:
+    """Load the newest checkpoint of --ckpt-dir into every rank; return the step to start from
+    and the losses of the steps before it that the smoothed loss still averages."""
     if d.rank == 0:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     ckpt = latest_checkpoint(args.ckpt_dir)
     if ckpt is None:
-        return 0
+        return 0, []
     if ckpt["step"] > args.steps:  # every rank read the same file: every rank stops here
         cli.fail(f"the newest checkpoint in {args.ckpt_dir} is at step {ckpt['step']}, past "
                  f"--steps {args.steps}: raise --steps, or use another --ckpt-dir")
@@ -163,16 +165,22 @@ def resume(args, d, model, optimizer, scheduler, scaler) -> int:
     if ckpt["rng"]["cuda"] is not None and d.device.type == "cuda":
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
     report.print0(f"resumed from step {ckpt['step']} in {args.ckpt_dir}")
-    return ckpt["step"]
+    return ckpt["step"], ckpt["recent_losses"]
 
 
 # --------------------------------------------------------------------------------------------------
 # The loop
 
 
-def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, stop: dict):
+def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, recent: list,
+         stop: dict):
     """Steps start_step+1 .. --steps. Returns (losses, samples/s or None when no step was timed),
-    or None when the ranks stopped on a SIGTERM."""
+    or None when the ranks stopped on a SIGTERM.
+
+    Each step's loss is that of one batch, and batches differ: printed every 10 steps, it jumps
+    up and down around its trend. Beside it goes the mean of the last --log-every steps' losses
+    (`recent`, kept in the checkpoints, so a resumed run prints the same figures as one that
+    never stopped)."""
     losses, t_start, timed_samples, comms = [], None, 0, {}
     bar = report.progress(args.steps, "train", initial=start_step)
     for step in range(start_step, args.steps):
@@ -192,17 +200,19 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, sto
         flags = torch.stack([step_loss, torch.tensor(float(stop["requested"]), device=d.device)])
         dist.all_reduce(flags, op=dist.ReduceOp.SUM)
         losses.append(flags[0].item() / d.world_size)
+        recent = (recent + losses[-1:])[-args.log_every:]
         timed_samples += args.global_batch if step >= start_step + 1 else 0
         done = step + 1
         bar.update(1)
         if d.rank == 0 and (done % args.log_every == 0 or done in (1, args.steps)):
-            bar.write(f"step {done:4d}/{args.steps} | loss {losses[-1]:.4f} | lr {lr:.5f}")
+            bar.write(f"step {done:4d}/{args.steps} | loss {losses[-1]:.4f} | mean of last "
+                      f"{len(recent):2d} {sum(recent) / len(recent):.4f} | lr {lr:.5f}")
 
         preempted = flags[1].item() > 0  # every rank stops at the same step
         if args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
                               or done == args.steps or preempted):
             save_checkpoint(args.ckpt_dir, done, model, optimizer, scheduler, scaler, d.rank,
-                            args.keep_ckpts)
+                            args.keep_ckpts, recent)
         if preempted:
             report.print0(f"SIGTERM: checkpointed step {done} to {args.ckpt_dir}; exiting")
             bar.close()
@@ -217,7 +227,8 @@ def train(args, d):
         cli.fail("--precision fp16 needs CUDA (GradScaler); use bf16 on CPU")
     args.global_batch = d.world_size * args.batch_size * args.grad_accum
     model, ddp, optimizer, scheduler, scaler, allreduces = build(args, d)
-    start_step = resume(args, d, model, optimizer, scheduler, scaler) if args.ckpt_dir else 0
+    start_step, recent = resume(args, d, model, optimizer, scheduler, scaler) if args.ckpt_dir \
+        else (0, [])
 
     # Preemption: SLURM (or torchrun on shutdown) sends SIGTERM. We only set a flag here; the
     # training loop agrees on it across ranks (one all-reduce), checkpoints and exits cleanly.
@@ -233,7 +244,7 @@ def train(args, d):
                       f"(--steps {args.steps})")
         losses, samples_per_s, comms = [], None, {}
     else:
-        result = loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step, stop)
+        result = loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step, recent, stop)
         if result is None:
             return
         losses, samples_per_s, comms = result

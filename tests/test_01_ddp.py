@@ -68,10 +68,13 @@ def readme_run(command: str, *outputs: str):
     return run_readme_command(command, timeout=240)
 
 
+FULL_STDOUT: list[str] = []  # what the full run printed
+
+
 @pytest.fixture(scope="module")
 def full_run():
     """The README's 2-rank, 40-step run: the reference every other launch is compared with."""
-    readme_run(FULL, "ddp_full.pt")
+    FULL_STDOUT.append(readme_run(FULL, "ddp_full.pt").stdout)
     return load_export(RUNS / "ddp_full.pt")
 
 
@@ -137,9 +140,14 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(full_run):
     first = readme_run(FIRST_HALF, "ddp_ckpt")
     assert (RUNS / "ddp_ckpt" / "step_000020.pt").exists()
     # The printed LR is the one the step used: step 1 of a 10-step warmup runs at 1/10 of 0.02.
-    assert "step    1/20 | loss 2.2772 | lr 0.00200" in first.stdout, first.stdout
+    assert "step    1/20 | loss 2.2772 | mean of last  1 2.2772 | lr 0.00200" in first.stdout, \
+        first.stdout
     second = readme_run(SECOND_HALF, "ddp_resumed.pt")
     assert "resumed from step 20" in second.stdout
+    # Steps 30 and 40 print what the uninterrupted run printed, smoothed loss included (a lost
+    # window would not show here: steps 21-30 fill it again; the next test resumes mid-window).
+    steps = [line for line in second.stdout.splitlines() if line.startswith("step ")]
+    assert steps and all(line in FULL_STDOUT[0] for line in steps), (steps, FULL_STDOUT[0])
     assert_state_dicts_equal(load_export(RUNS / "ddp_resumed.pt"), full_run,
                              msg="resumed vs uninterrupted:")
 
@@ -150,7 +158,7 @@ def test_a_finished_run_launched_again_exports_the_same_model(tmp_path):
     prefix). A run of one step times nothing and says so, instead of printing nan."""
     ckpt, first, again = tmp_path / "ckpt", tmp_path / "first.pt", tmp_path / "again.pt"
     common = [TRAIN, "--steps", "3", "--ckpt-dir", str(ckpt)]
-    run_python(*common, "--export", str(first))
+    run_python(*common, "--export", str(first), "--metrics-out", str(tmp_path / "first.json"))
     result = run_python(*common, "--export", str(again), "--metrics-out", str(tmp_path / "m.json"))
     assert f"nothing to train: {ckpt} is already at step 3 (--steps 3)" in result.stdout
     assert "done:" not in result.stdout and "nan" not in result.stdout
@@ -161,8 +169,14 @@ def test_a_finished_run_launched_again_exports_the_same_model(tmp_path):
     message = (f"error: the newest checkpoint in {ckpt} is at step 3, past --steps 2: raise "
                f"--steps, or use another --ckpt-dir")
     assert past.returncode == 2 and past.stderr_lines() == [message], past.describe()
-    one = run_python(TRAIN, "--steps", "4", "--ckpt-dir", str(ckpt))
+    one = run_python(TRAIN, "--steps", "4", "--ckpt-dir", str(ckpt), "--metrics-out",
+                     str(tmp_path / "one.json"))
     assert "done: 1 steps, samples/s not measured (the first step is not timed)" in one.stdout
+    # The smoothed loss at step 4 averages steps 1-4: the checkpoint carried steps 1-3's losses
+    # (a window restarted at the resume would print "mean of last  1" and step 4's loss alone).
+    window = read_json(tmp_path / "first.json")["losses"] + read_json(tmp_path / "one.json")["losses"]
+    assert len(window) == 4
+    assert f"| mean of last  4 {sum(window) / 4:.4f} |" in one.stdout, one.stdout
 
 
 def test_spawn_and_c10d_launchers_give_the_same_model(tmp_path, full_run):
