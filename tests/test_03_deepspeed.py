@@ -358,26 +358,31 @@ def test_sharded_optimizer_equals_plain_and_zero_redundancy(world, tmp_path):
 
 
 def test_inference_matches_the_plain_model(runs, tmp_path):
-    """On the stage-2 run's trained weights. DeepSpeed 0.19.8's AutoTP needs `transformers`:
-    with it, a 2-way tensor-parallel split under the launcher; without it the script's fallback,
-    one process with the reason printed (what the README runs)."""
-    can_split = importlib.util.find_spec("transformers") is not None
+    """On the stage-2 run's trained weights, split 2 ways by DeepSpeed's AutoTP under its launcher
+    (AutoTP needs `transformers`, which requirements.txt installs), and on one process, where the
+    script runs the engine unsplit and says why."""
+    assert importlib.util.find_spec("transformers") is not None, \
+        "DeepSpeed's AutoTP needs transformers: pip install -r requirements.txt"
     args = ["03-deepspeed/deepspeed_inference.py", "--weights",
-            runs("zero2_config")["dir"] / "model.pt", "--json-out", tmp_path / "inf.json",
-            "--save-logits", tmp_path / "logits.pt"]
-    if can_split:
-        run_deepspeed(*args, num_gpus=WORLD, timeout=LAUNCH_TIMEOUT)
-    else:
-        run_python(*args, timeout=LAUNCH_TIMEOUT)
-    info = read_json(tmp_path / "inf.json")
-    logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+            runs("zero2_config")["dir"] / "model.pt"]
+    run_deepspeed(*args, "--json-out", tmp_path / "split.json", "--save-logits",
+                  tmp_path / "split.pt", num_gpus=WORLD, timeout=LAUNCH_TIMEOUT)
+    run_python(*args, "--json-out", tmp_path / "one.json", "--save-logits", tmp_path / "one.pt",
+               timeout=LAUNCH_TIMEOUT)
+    split, one = read_json(tmp_path / "split.json"), read_json(tmp_path / "one.json")
+    assert split["tensor_parallel"] == WORLD and split["local_qkv_features"] == 64 // WORLD
+    assert one["tensor_parallel"] == 1 and one["local_qkv_features"] == 64
+    assert "launch with deepspeed --num_gpus N" in one["no_split_reason"]
     # fp32: tensor parallelism only reorders the sums of the row-parallel layers (partial
-    # products, then an all-reduce); logits here are O(10), so 1e-4 is ~100 float32 ulps.
-    torch.testing.assert_close(logits["deepspeed"], logits["plain"], rtol=0, atol=1e-4)
-    if can_split:
-        assert info["tensor_parallel"] == WORLD and info["local_qkv_features"] == 64 // WORLD
-    else:
-        assert info["tensor_parallel"] == 1 and info["no_split_reason"]
+    # products, then an all-reduce); logits here are O(10), so 1e-4 is ~100 float32 ulps. A
+    # wrong split (a head cut in two, a missing all-reduce) changes logits by O(1).
+    for name in ("split", "one"):
+        logits = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        torch.testing.assert_close(logits["deepspeed"], logits["plain"], rtol=0, atol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    # the unsplit engine is the plain model itself: bitwise the same logits
+    assert torch.equal(torch.load(tmp_path / "one.pt", weights_only=True)["deepspeed"],
+                       torch.load(tmp_path / "one.pt", weights_only=True)["plain"])
 
 
 # --------------------------------------------------------------------------------------------------
