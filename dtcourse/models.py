@@ -78,8 +78,9 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = dim // heads
         # No bias on k: it adds q.b_k to every score of a query's row, which softmax ignores, so
-        # its gradient is exactly zero; Adam would turn the float rounding left in it into steps
-        # of size lr that differ between parallel layouts.
+        # its gradient is exactly zero; Adam turns the float rounding left in it into steps of
+        # about lr x noise / (noise + eps) that differ between parallel layouts: small next to
+        # lr with fp32 noise (~1e-11) and eps 1e-8, up to lr with bf16's or a smaller eps.
         self.q, self.k, self.v = (nn.Linear(dim, dim, bias=name != "k") for name in "qkv")
         self.proj = nn.Linear(dim, dim)
 
