@@ -516,10 +516,12 @@ def repo() -> Path:
 # longest files go first (longest-processing-time-first); otherwise a long file that starts last
 # keeps one core idle at the end. Measured wall times at -n 2 on the 2-core CI machine.
 LONGEST_FIRST = ["test_scale.py", "test_launchers.py", "test_readmes.py", "test_03_deepspeed.py",
-                 "test_01_ddp.py", "test_02_fsdp.py", "test_05b_pipeline_expert_context.py",
+                 "test_01_ddp.py", "test_02_fsdp.py", "test_exercise_solutions.py",
+                 "test_05b_pipeline_expert_context.py", "test_02_practice.py",
                  "test_benchmarks.py", "test_05a_tensor_sequence_hybrid.py",
-                 "test_05c_data_parallel_techniques.py", "test_bad_inputs.py", "test_04_nccl.py",
-                 "test_dtcourse.py"]
+                 "test_05c_data_parallel_techniques.py", "test_figures_runs.py",
+                 "test_primers.py", "test_01_internals.py", "test_bad_inputs.py",
+                 "test_04_nccl.py", "test_dtcourse.py"]
 
 
 def pytest_collection_modifyitems(items):

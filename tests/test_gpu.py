@@ -46,6 +46,7 @@ WORLD1_ARGS = {"05-advanced/a-tensor-sequence-hybrid/hybrid_parallelism.py":
 BF16 = {"01-ddp-basics/ddp_training.py": ["--precision", "bf16"],
         "02-fsdp/fsdp_from_scratch.py": ["--compute-dtype", "bf16"],
         "02-fsdp/fsdp_transformer.py": ["--mixed-precision", "bf16"],
+        "02-fsdp/fsdp1_api.py": ["--mixed-precision", "bf16"],
         "03-deepspeed/deepspeed_train.py": ["--precision", "bf16"]}
 
 
@@ -63,6 +64,21 @@ def test_training_script_runs_on_one_gpu(tmp_path, script, args):
         assert all(math.isfinite(x) for x in run.get("losses", [])), run.get("losses")
         peaks = [r["peak_bytes"] for r in run.get("per_rank", [])]
         assert all(p and p > 0 for p in peaks), f"{script}: peak CUDA memory {peaks}"
+
+
+# Scripts that demonstrate rather than train: each at world 1 on CUDA (every collective a copy,
+# the CUDA code paths all taken), results written with --json-out.
+DEMOS = ["01-ddp-basics/collectives_primer.py", "01-ddp-basics/ddp_internals.py",
+         "02-fsdp/dtensor_primer.py"]
+
+
+@pytest.mark.parametrize("script", DEMOS)
+def test_demo_script_runs_on_one_gpu(tmp_path, script):
+    out = tmp_path / "r.json"
+    run_torchrun(script, "--device", "cuda", "--json-out", out, nproc=1, timeout=300, env=GPUS)
+    result = read_json(out)
+    if isinstance(result, dict) and "device" in result:
+        assert str(result["device"]).startswith("cuda"), result["device"]
 
 
 def _gpus_needed(command: str) -> int:

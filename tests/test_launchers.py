@@ -33,6 +33,8 @@ TRAINING_SCRIPTS = [
     ("02-fsdp/fsdp_transformer.py", ["--steps", "2", "--strategy", "full", "ddp"]),
     ("02-fsdp/fsdp_checkpoint.py", ["--steps", "3"]),
     ("02-fsdp/fairscale_oss.py", ["--steps", "2", "--impl", "oss"]),
+    ("02-fsdp/fsdp1_api.py", ["--steps", "2"]),
+    ("02-fsdp/fsdp_lora.py", ["--steps", "2"]),
     ("03-deepspeed/deepspeed_train.py", ["--deepspeed_config", ZERO3, "--steps", "2"]),
     ("03-deepspeed/zero_from_scratch.py", ["--steps", "2", "--stage", "2"]),
     ("03-deepspeed/zero_offload.py", ["--steps", "2", "--configs", "zero2_offload_config"]),
