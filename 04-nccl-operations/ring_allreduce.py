@@ -4,6 +4,8 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 04-nccl-operations/ring_allreduce.py     # checks, then timings
     torchrun --nproc_per_node=4 04-nccl-operations/ring_allreduce.py --sizes 64M --iters 10
     torchrun --nproc_per_node=8 04-nccl-operations/ring_allreduce.py --device cuda --sizes 256M
+    torchrun --nproc_per_node=4 04-nccl-operations/ring_allreduce.py --trace-out runs/ring.json
+        # ^ one ring, step by step: who sends which chunk, whose inputs each chunk then sums
 
 The ring is the bandwidth-optimal all-reduce (Patarasuk & Yuan, 2009) that gloo runs, and NCCL too
 for large messages. The n ranks form a ring: rank r sends to r+1 and receives from r-1. The tensor
@@ -35,6 +37,7 @@ import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -105,10 +108,20 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
     pipelined: segment k+1 travels while segment k is being added (see `_send_and_accumulate`).
     0 turns pipelining off: the whole chunk is exchanged, then added.
     """
+    for _ in ring_steps(tensor, op, group, segment_bytes):
+        pass  # each step has already exchanged its chunks; the trace (below) looks in between
+    return tensor
+
+
+def ring_steps(tensor: torch.Tensor, op: str = "sum", group=None, segment_bytes: int = 4 << 20):
+    """The ring of `ring_all_reduce`, one step at a time: after each of its 2(n-1) steps, yield
+    (phase, step, chunk sent to the right neighbour, chunk received from the left one), with
+    `tensor` as that step left it. `ring_all_reduce` runs it to the end; `trace_ring` stops at
+    every step to record what each rank holds."""
     _check(tensor, op)
     r, n, right, left = _ring_peers(group)
     if n == 1 or tensor.numel() == 0:
-        return tensor
+        return
     flat = tensor.view(-1)  # a view: every chunk below writes into `tensor` itself
     bounds = chunk_bounds(flat.numel(), n)
 
@@ -124,6 +137,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
     # Phase 1, reduce-scatter: n-1 steps; at step s send chunk r-s, receive chunk r-s-1 and add.
     for s in range(n - 1):
         _send_and_accumulate(chunk(r - s), right, chunk(r - s - 1), left, bufs, seg, group)
+        yield "reduce-scatter", s, (r - s) % n, (r - s - 1) % n
 
     if op == "avg":  # divide the one chunk this rank owns: each element is divided exactly once
         chunk(r + 1).div_(n)
@@ -132,7 +146,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
     # directly into place (no buffer, no add).
     for s in range(n - 1):
         _exchange(chunk(r + 1 - s), right, chunk(r - s), left, group)
-    return tensor
+        yield "all-gather", s, (r + 1 - s) % n, (r - s) % n
 
 
 def _send_and_accumulate(send, right, mine, left, bufs, seg, group) -> None:
@@ -223,6 +237,85 @@ def ring_all_reduce_unpipelined(tensor: torch.Tensor, op: str = "sum", group=Non
 
 ALGORITHMS = {"library": library_all_reduce, "ring": ring_all_reduce,
               "ring_unpipelined": ring_all_reduce_unpipelined, "naive": naive_all_reduce}
+
+
+# --------------------------------------------------------------------------------------------------
+# The ring step by step (--trace-out): what each rank sends, and whose inputs each chunk then sums
+
+
+def contributions(chunk: torch.Tensor, n: int) -> list[int] | None:
+    """The ranks whose inputs `chunk` sums, read from its values; None for an empty chunk.
+
+    Rank r's input is (n+1)^r in every element, so a sum of inputs, written in base n+1, has one
+    digit per rank counting how often that rank's input is in it: [0, 3] is x0 + x3, and a rank
+    added twice would show twice ([0, 0, 3]). Exact in float64 for the world sizes traced here.
+    """
+    values = chunk.unique().tolist()
+    if not values:
+        return None
+    if len(values) > 1:  # every element of a chunk takes the same path round the ring
+        raise RuntimeError(f"the elements of one chunk hold different sums: {values}")
+    value, ranks = int(values[0]), []
+    for rank in range(n):
+        value, count = divmod(value, n + 1)
+        ranks += [rank] * count
+    return ranks
+
+
+def trace_ring(numel: int, d, segment_bytes: int) -> dict:
+    """Run `ring_steps` once on inputs whose sums name their ranks, recording after every step
+    what this rank sent and received and what each of its chunks holds; every rank's record is
+    gathered (on every rank), one row per step, each row listing the ranks in order."""
+    n, r = d.world_size, d.rank
+    x = torch.full((numel,), float((n + 1) ** r), dtype=torch.float64, device=d.device)
+    bounds = chunk_bounds(numel, n)
+    sizes = [bounds[i + 1] - bounds[i] for i in range(n)]
+
+    def holdings():
+        return [contributions(x[bounds[i]:bounds[i + 1]], n) for i in range(n)]
+
+    _, _, right, left = _ring_peers(None)
+    mine = [{"phase": "start", "step": None, "send": None, "recv": None, "chunks": holdings()}]
+    for phase, s, sent, received in ring_steps(x, "sum", None, segment_bytes):
+        mine.append({"phase": phase, "step": s,
+                     "send": {"chunk": sent, "to": right, "elements": sizes[sent]},
+                     "recv": {"chunk": received, "from": left, "elements": sizes[received]},
+                     "chunks": holdings()})
+    every = report.gather(mine)  # [rank][row]
+    rows = [{"phase": row["phase"], "step": row["step"],
+             "ranks": [{k: every[rank][i][k] for k in ("send", "recv", "chunks")}
+                       for rank in range(n)]} for i, row in enumerate(mine)]
+    return {"script": "04-nccl-operations/ring_allreduce.py", "world_size": n, "numel": numel,
+            "chunk_sizes": sizes, "segment_bytes": segment_bytes, "device": d.device.type,
+            "backend": d.backend, "torch_version": torch.__version__,
+            "input": "rank r holds (n+1)^r in every element", "steps": rows}
+
+
+def print_trace(trace: dict) -> None:
+    """Rank 0 prints the trace as a table: for every step, who sends which chunk, then each
+    rank's chunks, named by the inputs they sum (a, b, c, ... = the inputs of ranks 0, 1, 2...)."""
+    n = trace["world_size"]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    width = max(5 * n, 12)
+
+    def held(ranks):
+        return "-" if ranks is None else "".join(letters[k] for k in ranks)
+
+    report.print0(f"ring trace | world {n} | numel {trace['numel']} in chunks of "
+                  f"{', '.join(map(str, trace['chunk_sizes']))} | "
+                  f"{', '.join(letters[:n])} = the inputs of ranks 0..{n - 1}")
+
+    def line(label, cells):
+        report.print0((f"{label:<22}" + "".join(f"{c:<{width}}" for c in cells)).rstrip())
+
+    line("step", [f"rank {k}" for k in range(n)])
+    line("", [" ".join(f"{'c' + str(i):<{n}}" for i in range(n))] * n)
+    for row in trace["steps"]:
+        label = "start" if row["step"] is None else f"{row['phase']} s={row['step']}"
+        if row["step"] is not None:
+            line(label, [f"sends c{c['send']['chunk']} -> {c['send']['to']}" for c in row["ranks"]])
+            label = ""
+        line(label, [" ".join(f"{held(ch):<{n}}" for ch in c["chunks"]) for c in row["ranks"]])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -372,6 +465,17 @@ def run(args, d) -> bool:
     return ok
 
 
+def write_trace(args, d) -> None:
+    """--trace-out: the traced ring, printed and written by rank 0."""
+    if d.world_size > 12:  # (n+1)^(n-1) * n must stay exact in float64
+        cli.fail(f"--trace-out traces at most 12 ranks, not {d.world_size}")
+    trace = trace_ring(args.trace_numel, d, args.segment)
+    print_trace(trace)
+    if d.rank == 0:
+        report.write_json(args.trace_out, trace)
+    dist.barrier()  # the file is complete before any rank exits
+
+
 # --------------------------------------------------------------------------------------------------
 # Arguments and launch
 
@@ -403,10 +507,16 @@ def parse_args(argv=None):
                         "0: no pipelining")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per size")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size")
+    p.add_argument("--trace-out", type=Path,
+                   help="instead of the checks and timings, run the ring once on --trace-numel "
+                        "elements, print what every rank sends and holds after each step, and "
+                        "write it as JSON here (rank 0); figures/ring_figure.py draws it")
+    p.add_argument("--trace-numel", type=int, default=10,
+                   help="elements of the traced tensor (10 on 4 ranks: chunks of 3, 3, 2, 2)")
     args = p.parse_args(argv)
     args.size_list = [parse_size(s) for s in args.sizes.split(",")]
     args.segment = parse_size(args.segment)
-    cli.check_positive(args, "iters", "timeout_s")
+    cli.check_positive(args, "iters", "timeout_s", "trace_numel")
     if args.warmup < 0:
         cli.fail(f"--warmup must be at least 0, got {args.warmup}")
     return args
@@ -415,6 +525,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     with launch.distributed(args.device, args.timeout_s) as d:
+        if args.trace_out:
+            write_trace(args, d)
+            return
         ok = run(args, d)
     sys.exit(0 if ok else 1)
 
