@@ -18,7 +18,8 @@ for a plain nn.Module. Without it installed this script runs every rank unsplit 
 says so; `pip install transformers` enables the split (on CPU too).
 
 The model is the course's shared GPT (dtcourse.models), whose attention keeps q, k and v as three
-layers, which AutoTP splits by output rows; set-up comes from dtcourse.launch.
+layers, which AutoTP splits by output features (column-parallel: the rows of torch's [out, in]
+weight); set-up comes from dtcourse.launch.
 """
 
 import argparse

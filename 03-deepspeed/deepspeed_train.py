@@ -193,6 +193,8 @@ def memory_census(engine, model, config) -> dict:
       even when training in fp32; at stage 0 in fp32 the optimizer steps the weights themselves.
     moments: Adam's exp_avg and exp_avg_sq (the 0-dim `step` counters are not counted).
     grads: the module's .grad plus the gradient buffers ZeRO accumulates into and the master's.
+    secondary: ZeRO++ hpZ's second copy of the parameters, partitioned over the smaller group
+      (`ds_secondary_tensor`, from which backward gathers them); 0 without hpZ.
     host: the part of these that offload keeps in CPU memory (on a CPU-only machine host and
       device are the same memory; the split follows where DeepSpeed allocates each tensor).
     Attribute names are DeepSpeed 0.19's; the lesson's tests check the sums against the formulas.
@@ -230,6 +232,8 @@ def memory_census(engine, model, config) -> dict:
         on_host += [getattr(p, "ds_tensor", None) for p in params]
     return {"param_bytes": storage_bytes(weights), "grad_bytes": storage_bytes(grads),
             "master_bytes": storage_bytes(master),
+            "secondary_bytes": storage_bytes([getattr(p, "ds_secondary_tensor", None)
+                                              for p in params]),
             "optim_bytes": storage_bytes(master + moments), "host_bytes": storage_bytes(on_host)}
 
 
@@ -376,7 +380,9 @@ def report_run(args, config: dict, d, deepspeed, engine, model, run: dict) -> No
         report.print0(f"rank 0 holds: params {kib['param_bytes']:.1f} KiB | grads "
                       f"{kib['grad_bytes']:.1f} KiB | optimizer {kib['optim_bytes']:.1f} KiB "
                       f"(fp32 master {kib['master_bytes']:.1f} KiB)"
-                      + (f" | on host {kib['host_bytes']:.1f} KiB" if kib["host_bytes"] else ""))
+                      + (f" | on host {kib['host_bytes']:.1f} KiB" if kib["host_bytes"] else "")
+                      + (f" | hpZ secondary partition {kib['secondary_bytes']:.1f} KiB"
+                         if kib["secondary_bytes"] else ""))
     report.print0(traffic_line(run["comms"], d.world_size, run["n_params"], args.precision))
     metrics = report.metrics(
         d, script=SCRIPT, strategy=strategy_name(config), steps=args.steps,
@@ -396,7 +402,10 @@ def traffic_line(comms: dict, world: int, n_params: int, precision: str) -> str:
     the gradient bytes (W x P, W = 4 in fp32, 2 in bf16): DDP's all-reduce is 2u, the ZeRO
     paper's stages 1-2 are 2u (reduce-scatter + all-gather) and its stage 3 3u (the parameters
     gathered twice)."""
-    parts = " + ".join(f"{kind} {s['sent_bytes']:,}" for kind, s in comms.items()
+    def groups(s):  # ZeRO++ hpZ gathers over two group sizes: name them
+        sizes = s.get("group_sizes", [])
+        return f" (groups of {' and '.join(map(str, sizes))})" if len(sizes) > 1 else ""
+    parts = " + ".join(f"{kind} {s['sent_bytes']:,}{groups(s)}" for kind, s in comms.items()
                        if s["sent_bytes"] >= 1024)  # leave out the loss's and norms' scalars
     total = sum(s["sent_bytes"] for s in comms.values())
     if world == 1:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from dtcourse import cli, launch, report
 
-# torch 2.12 renamed the single-tensor collectives; torch >= 2.6 has the older names.
+# torch 2.14 deprecates all_gather_into_tensor / reduce_scatter_tensor for the *_single names.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -192,7 +192,7 @@ def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch
     """All-reduce `tensor` in place the naive way: everything to rank 0, add, send back.
 
     Rank 0 receives n-1 full tensors one after another and then sends n-1 full tensors: its
-    link carries 2(n-1) * S bytes, against 2(n-1)/n * S per rank for the ring.
+    link carries (n-1) * S bytes each way, against 2(n-1)/n * S per rank for the ring.
     """
     _check(tensor, op)
     n, r = dist.get_world_size(group), dist.get_rank(group)

@@ -36,6 +36,7 @@ from conftest import (
     readme_mentions,
     run_deepspeed,
     run_python,
+    run_readme_command,
     torchrun_cmd,
 )
 
@@ -313,6 +314,51 @@ def test_traffic_per_stage_measured_against_the_formulas(runs, tmp_path):
     assert_sent(measured["zero2_config"], {"reduce": A * u, "all_gather": u}, "zero2 reduce")
     assert_sent(measured["zero3_config"], {"all_gather": 2 * A * u, "reduce_scatter": A * u},
                 "zero3 reuse 0")
+
+
+HPZ = ("deepspeed --num_gpus 4 03-deepspeed/deepspeed_train.py --deepspeed_config "
+       "03-deepspeed/configs/zeropp_hpz_config.json --steps 8 --batch-size 2 --metrics-out "
+       "runs/03-deepspeed/hpz.json --export runs/03-deepspeed/hpz.pt")
+
+
+def test_zeropp_hpz_gathers_backward_within_the_group_and_equals_one_process(reference):
+    """ZeRO++ hpZ at world 4 with zero_hpz_partition_size 2: forward all-gathers over the 4 ranks
+    (3/4 of the parameter bytes sent per rank), backward over the pair (1/2), from a secondary
+    partition of P/2 parameters per rank; reduce-scatter as ZeRO-3's. The README's command,
+    whose global batch (4 x 2) is the reference's 8: the same model as one process."""
+    assert readme_mentions(LESSON / "README.md", HPZ)
+    run_readme_command(HPZ, timeout=LAUNCH_TIMEOUT)
+    metrics = read_json(REPO / "runs/03-deepspeed/hpz.json")
+    P, N, S = 110_208, 4, 2
+    assert (metrics["world_size"], metrics["global_batch"], metrics["zero_stage"]) == (N, 8, 3)
+    comms = metrics["comms_per_step"]
+    assert sorted(comms["all_gather"]["group_sizes"]) == [S, N]
+    assert_sent(sent(metrics), {"all_gather": (N - 1) * 4 * P // N + (S - 1) * 4 * P // S,
+                                "reduce_scatter": (N - 1) * 4 * P // N}, "zero3 + hpZ")
+    for held in metrics["per_rank"]:  # fp32 on this CPU: 4 bytes per parameter, P/S of them
+        assert held["secondary_bytes"] == 4 * P // S
+        assert held["param_bytes"] == 4 * P // N
+    assert_adamw_close(load_export(REPO / "runs/03-deepspeed/hpz.pt"), reference["export"],
+                       **ADAMW, msg="zero3 + hpZ at world 4 vs one process:")
+    torch.testing.assert_close(torch.tensor(metrics["losses"]),
+                               torch.tensor(reference["metrics"]["losses"]), **LOSS_TOL)
+
+
+def test_zeropp_config_is_zero3_with_the_three_switches_deepspeed_reads():
+    """zeropp_config.json (for GPU nodes; its quantizer has no CPU kernel) is zero3_config.json
+    plus qwZ, hpZ over 8 GPUs and qgZ, under the names DeepSpeed's config model reads."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    zpp = json.loads((LESSON / "configs" / "zeropp_config.json").read_text())
+    z3 = json.loads((LESSON / "configs" / "zero3_config.json").read_text())
+    switches = {"zero_quantized_weights": True, "zero_hpz_partition_size": 8,
+                "zero_quantized_gradients": True}
+    assert zpp["zero_optimization"] == {**z3["zero_optimization"], **switches}
+    assert {k: v for k, v in zpp.items() if k != "zero_optimization"} == \
+        {k: v for k, v in z3.items() if k != "zero_optimization"}
+    parsed = DeepSpeedZeroConfig(**zpp["zero_optimization"])
+    assert all(getattr(parsed, key) == value for key, value in switches.items())
+    hpz = json.loads((LESSON / "configs" / "zeropp_hpz_config.json").read_text())
+    assert DeepSpeedZeroConfig(**hpz["zero_optimization"]).zero_hpz_partition_size == 2
 
 
 # --------------------------------------------------------------------------------------------------

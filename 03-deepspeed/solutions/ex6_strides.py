@@ -8,11 +8,13 @@ Launch (from the repository root; first train and export the model, see the READ
     torchrun --nproc_per_node=2 03-deepspeed/solutions/ex6_strides.py --weights ... --prompts 16
 
 deepspeed_inference.py prints the greedy continuation of its first prompt and one accuracy over
-all of them. This script takes the same prompts (the data of a step no training run reaches:
-arithmetic sequences modulo the vocabulary, each with its own stride from 1 to 7) and, for every
-prompt, continues its first 8 tokens greedily with the plain model (which deepspeed_inference.py
-shows equal to DeepSpeed's engine), and splits the next-token accuracy by position: the first
-token of a sequence says nothing about its stride, every later one does.
+all of them. This script takes --prompts prompts of the same kind, from the same step of the data
+(a step no training run reaches: arithmetic sequences modulo the vocabulary, each with its own
+stride from 1 to 7). The data draws all starts first, then all strides, so the default 8 share
+the inference script's 4 starts but not their strides; --prompts 4 gives exactly its prompts.
+For every prompt it continues the first 8 tokens greedily with the plain model (which
+deepspeed_inference.py shows equal to DeepSpeed's engine), and splits the next-token accuracy by
+position: the first token of a sequence says nothing about its stride, every later one does.
 """
 
 import argparse

@@ -27,7 +27,8 @@ from dtcourse import cli, launch, report
 SCRIPT = "04-nccl-operations/solutions/ex4_reduce_scatter_all_gather.py"
 LESSON = Path(__file__).resolve().parents[1]
 
-# torch 2.12 renamed the single-tensor collectives; torch >= 2.6 has the older names.
+# torch 2.14 marks reduce_scatter_tensor / all_gather_into_tensor deprecated in favour of
+# reduce_scatter_single / all_gather_single; where those are missing, the older names serve.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
