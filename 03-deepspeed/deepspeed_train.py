@@ -128,17 +128,22 @@ def init_weights(model, seed: int, deepspeed, stage: int) -> None:
             p.copy_(gpt_init_value(name, p.shape, seed, layers))
 
 
-def train_step(engine, x_local, y_local, micro: int, accum: int, device, after_backward=None):
+def train_step(engine, x_local, y_local, micro: int, accum: int, device, after_backward=None,
+               phase=lambda name: None):
     """One optimizer step on this rank's rows, in `accum` micro-steps of `micro` rows; returns
-    this rank's mean loss. `after_backward()`, if given, runs after each backward."""
+    this rank's mean loss. `after_backward()`, if given, runs after each backward; `phase(name)`
+    is told when forward, backward and the step begin (to split the traffic by phase)."""
     step_loss = torch.zeros((), device=device)
     for m in range(accum):
         x, y = x_local[m * micro:(m + 1) * micro], y_local[m * micro:(m + 1) * micro]
+        phase("forward")
         logits = engine(x)                                      # (B, T) -> (B, T, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        phase("backward")
         engine.backward(loss)  # divides by grad_accum itself; reduces gradients (see the top)
         if after_backward is not None:
             after_backward()
+        phase("step")
         engine.step()  # steps the optimizer only on the accumulation boundary
         step_loss += loss.detach().float() / accum
     return step_loss
@@ -194,7 +199,8 @@ def memory_census(engine, model, config) -> dict:
     moments: Adam's exp_avg and exp_avg_sq (the 0-dim `step` counters are not counted).
     grads: the module's .grad plus the gradient buffers ZeRO accumulates into and the master's.
     secondary: ZeRO++ hpZ's second copy of the parameters, partitioned over the smaller group
-      (`ds_secondary_tensor`, from which backward gathers them); 0 without hpZ.
+      (`ds_secondary_tensor`: every gather after a parameter's first one until the optimizer
+      step reads it); 0 without hpZ.
     host: the part of these that offload keeps in CPU memory (on a CPU-only machine host and
       device are the same memory; the split follows where DeepSpeed allocates each tensor).
     Attribute names are DeepSpeed 0.19's; the lesson's tests check the sums against the formulas.
@@ -313,7 +319,7 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
     micro, accum = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
     global_bs = config["train_batch_size"]
     losses, census, t_start, cpu_start, timed_samples = [], [], None, None, 0
-    comms = {}
+    comms, comms_by_phase = {}, {}
     bar = report.progress(args.steps, "train", initial=start_step)
     for step in range(start_step, args.steps):
         if step == start_step + 1:  # the first step pays for warm-up; time the rest
@@ -328,9 +334,13 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
         counter = CollectiveCounter() if last else contextlib.nullcontext()
         with counter:
             step_loss = train_step(engine, x_all[rows].to(d.device), y_all[rows].to(d.device),
-                                   micro, accum, d.device, measure)
+                                   micro, accum, d.device, measure,
+                                   phase=lambda name: setattr(counter, "phase", name))
         if last:
             comms = counter.summary()
+            comms_by_phase = {name: counter.summary([r for r in counter.records
+                                                     if r["phase"] == name])
+                              for name in ("forward", "backward", "step")}
 
         # Mean loss over the global batch, and whether any rank has received SIGTERM.
         flags = torch.stack([step_loss, torch.tensor(float(SIGTERM_RECEIVED.is_set()),
@@ -355,7 +365,7 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
     bar.close()
     elapsed = time.perf_counter() - t_start if t_start else float("nan")
     timed_steps = args.steps - start_step - 1
-    return {"losses": losses, "census": census, "comms": comms,
+    return {"losses": losses, "census": census, "comms": comms, "comms_by_phase": comms_by_phase,
             "samples_per_s": timed_samples / elapsed if timed_samples else float("nan"),
             # CPU seconds this process spent per timed step: steadier than samples/s when the
             # machine is shared.
@@ -393,7 +403,7 @@ def report_run(args, config: dict, d, deepspeed, engine, model, run: dict) -> No
         micro_batch=config["train_micro_batch_size_per_gpu"],
         grad_accum=config["gradient_accumulation_steps"], precision=args.precision,
         n_params=run["n_params"], deepspeed_version=deepspeed.__version__,
-        comms_per_step=run["comms"])
+        comms_per_step=run["comms"], comms_by_phase=run["comms_by_phase"])
     report.finish(args, metrics, state)
 
 

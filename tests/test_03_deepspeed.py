@@ -322,17 +322,24 @@ HPZ = ("deepspeed --num_gpus 4 03-deepspeed/deepspeed_train.py --deepspeed_confi
 
 
 def test_zeropp_hpz_gathers_backward_within_the_group_and_equals_one_process(reference):
-    """ZeRO++ hpZ at world 4 with zero_hpz_partition_size 2: forward all-gathers over the 4 ranks
-    (3/4 of the parameter bytes sent per rank), backward over the pair (1/2), from a secondary
-    partition of P/2 parameters per rank; reduce-scatter as ZeRO-3's. The README's command,
+    """ZeRO++ hpZ at world 4 with zero_hpz_partition_size 2: the step's first all-gather
+    (forward) over the 4 ranks (3/4 of the parameter bytes sent per rank), backward's over the
+    pair (1/2), from a secondary partition of P/2 parameters per rank; reduce-scatter as
+    ZeRO-3's. The README's command,
     whose global batch (4 x 2) is the reference's 8: the same model as one process."""
     assert readme_mentions(LESSON / "README.md", HPZ)
     run_readme_command(HPZ, timeout=LAUNCH_TIMEOUT)
     metrics = read_json(REPO / "runs/03-deepspeed/hpz.json")
     P, N, S = 110_208, 4, 2
     assert (metrics["world_size"], metrics["global_batch"], metrics["zero_stage"]) == (N, 8, 3)
-    comms = metrics["comms_per_step"]
+    comms, phases = metrics["comms_per_step"], metrics["comms_by_phase"]
     assert sorted(comms["all_gather"]["group_sizes"]) == [S, N]
+    # The first gather after an optimizer step (forward) over all N ranks; backward's, from the
+    # secondary partition, inside the group of S
+    assert phases["forward"]["all_gather"]["group_sizes"] == [N]
+    assert phases["forward"]["all_gather"]["sent_bytes"] == (N - 1) * 4 * P // N
+    assert phases["backward"]["all_gather"]["group_sizes"] == [S]
+    assert phases["backward"]["all_gather"]["sent_bytes"] == (S - 1) * 4 * P // S
     assert_sent(sent(metrics), {"all_gather": (N - 1) * 4 * P // N + (S - 1) * 4 * P // S,
                                 "reduce_scatter": (N - 1) * 4 * P // N}, "zero3 + hpZ")
     for held in metrics["per_rank"]:  # fp32 on this CPU: 4 bytes per parameter, P/S of them
