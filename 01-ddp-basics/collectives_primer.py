@@ -1,5 +1,6 @@
 """The collectives the course runs on, shown on tensors small enough to read: who holds what before
-and after each one, where the lessons use it, and how many bytes each rank sends for it on a ring.
+and after each one, where the lessons use it, and how many bytes each rank sends for it in the ring
+model of NCCL's algorithms (modelled, not measured: gloo runs its own algorithms).
 
 Launch (from the repository root):
     torchrun --nproc_per_node=4 01-ddp-basics/collectives_primer.py      # collectives.md's run
@@ -21,7 +22,8 @@ import torch.distributed as dist
 
 from dtcourse import cli, launch, report
 
-# torch 2.12 renamed the single-tensor collectives; the older names exist from torch 2.6 on.
+# torch 2.12 renamed the single-tensor collectives; the older names, all_gather_into_tensor and
+# reduce_scatter_tensor (torch 1.13 on), remain in 2.14 as deprecated aliases.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -68,13 +70,15 @@ def all_to_all(x, rank, n):
 
 
 # --------------------------------------------------------------------------------------------------
-# Bytes each rank sends, with the ring (and chain) algorithms NCCL uses. S is the size nccl-tests
+# Bytes each rank sends in a model: the ring (and chain) algorithms NCCL uses, not what gloo runs
+# here. The ring's order follows the topology, not the rank numbers. S is the size nccl-tests
 # reports for the collective: the whole tensor; for all-gather the gathered output, for
 # reduce-scatter the input, for all-to-all one rank's send buffer.
 
 
 def sent_on_ring(kind: str, size: int, n: int, rank: int, root: int = 0) -> float:
-    """Bytes rank `rank` sends for one collective of S = `size` bytes over n ranks."""
+    """Bytes rank `rank` sends for one collective of S = `size` bytes over n ranks, in the ring
+    model (a ring in rank order)."""
     if kind == "broadcast":  # a pipelined chain root -> root+1 -> ...; its end forwards nothing
         return 0 if (rank - root) % n == n - 1 else size
     if kind == "reduce":  # the chain runs the other way and ends at the root, which sends nothing
@@ -168,13 +172,15 @@ def traffic(row: dict, n: int) -> str:
     name, size = row["name"], fmt_bytes(row["S_bytes"])
     if name == "broadcast":
         chain = " -> ".join(str(k) for k in range(n))
-        return f"a pipelined chain {chain} along the ring: every rank but the last sends S = {size}"
+        return (f"modelled as a pipelined chain {chain} along the ring (its order follows the "
+                f"topology): every rank but the last sends S = {size}")
     if name == "reduce":
         chain = " -> ".join(str(k % n) for k in range(1, n + 1))
-        return f"a chain {chain} that ends at the root: every rank but the root sends S = {size}"
+        return (f"modelled as a chain {chain} that ends at the root: every rank but the root "
+                f"sends S = {size}")
     factor = sent_on_ring(name, 1.0, n, 0)
     how = "directly to the other ranks" if name == "all_to_all" else "around the ring"
-    return (f"each rank sends {row['ring_formula']} = {factor:.3g} x {size} = "
+    return (f"modelled: each rank sends {row['ring_formula']} = {factor:.3g} x {size} = "
             f"{fmt_bytes(row['sent_bytes'][0])} {how}; S = {row['S_is']}")
 
 
@@ -187,7 +193,7 @@ def print_report(d, rows, extra) -> None:
     for row in rows:
         block = n if row["name"] == "all_gather" else None
         print(f"\n{row['name']}: {row['call']}: {row['does']}")
-        table = [("rank", "before", "after", "bytes sent")] + [
+        table = [("rank", "before", "after", "sent (ring model)")] + [
             (str(k), fmt(row["before"][k]), fmt(row["after"][k], block),
              fmt_bytes(row["sent_bytes"][k])) for k in range(n)]
         widths = [max(len(line[i]) for line in table) for i in range(4)]

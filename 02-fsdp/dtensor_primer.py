@@ -140,8 +140,9 @@ def meta_init(mesh1, device, seed: int):
     model.to_empty(device=device)  # storage for this rank's shards only, uninitialised
     # Fill each shard with its rows of the full initial tensor (dtcourse.models.init_gpt), the
     # same values at every world size. (reset_parameters() would draw random values through
-    # DTensor's RNG, which torch 2.14 supports on CUDA only: on a CPU mesh every rank draws the
-    # same numbers for its own shard.)
+    # DTensor's RNG, which torch 2.14 supports only on devices whose torch module has
+    # set_rng_state (CUDA and CUDA-like accelerators; torch.cpu has none): on a CPU mesh every
+    # rank draws the same numbers for its own shard.)
     init_gpt(model, seed)
     mine["bytes_after_to_empty"] = real_bytes(model.parameters())
     return model, mine
@@ -258,7 +259,7 @@ def print_report(d, res) -> None:
     m0 = meta[0]
     print(f"\n4. GPT() built under torch.device('meta'): {m0['numel']:,} parameters, "
           f"{m0['full_bytes']:,} bytes once materialised")
-    table([("rank", "held: built on meta", "held: fully_shard on meta", "its shard's size",
+    table([("rank", "held: built on meta", "held: fully_shard on meta", "its shard's size (bytes)",
             "held: to_empty + init")] +
           [(str(k), f"{meta[k]['bytes_on_meta']:,}", f"{meta[k]['bytes_after_fully_shard']:,}",
             f"{meta[k]['shard_bytes_planned']:,}", f"{meta[k]['bytes_after_to_empty']:,}")

@@ -16,9 +16,11 @@ returns a new module; the policy decides which submodules become nested FSDP ins
 and each unit's parameters are flattened into one FlatParameter, of which every rank keeps 1/N.
 FSDP2 annotates: `fully_shard(module, mesh=..., reshard_after_forward=...)` is called by hand
 on each unit, children first, then on the root; the module keeps its class and its parameters,
-each now a DTensor holding this rank's rows. Both gather one unit at a time: an all-gather before
-its forward, another before its backward (unless kept from forward), a reduce-scatter of its
-gradients.
+each now a DTensor holding this rank's rows. Both gather each unit with an all-gather before its
+forward, another before its backward (unless kept from forward), and reduce-scatter its
+gradients. They are not gathered one at a time: besides the root, which stays gathered, backward
+holds two units, the one computing its gradients and the next one, prefetched (and FSDP2's forward
+briefly holds a unit's all-gather buffer beside the next one's; README section 6 measures both).
 
 The model and data are those of fsdp_transformer.py (dtcourse.models GPT and init_gpt,
 dtcourse.data token_batch), so the runs compare with it. The output is in 02-fsdp/README.md.

@@ -366,6 +366,15 @@ def run_readme_command(command: str, *, timeout: float = 180, env: dict | None =
     return result
 
 
+def run_documented(doc, command: str, *outputs: str, timeout: float = 240) -> Result:
+    """Run a command a document shows, verbatim (its quoted output re-checked), after checking
+    the document shows it and removing the files an earlier run left behind."""
+    assert readme_mentions(doc, command), f"not in {doc}: {command}"
+    for name in outputs:
+        (REPO / name).unlink(missing_ok=True)
+    return run_readme_command(command, timeout=timeout)
+
+
 def docs() -> list[Path]:
     """Every Markdown file of the repository (hidden folders aside)."""
     return sorted(p for p in REPO.rglob("*.md")
@@ -517,6 +526,7 @@ def repo() -> Path:
 # keeps one core idle at the end. Measured wall times at -n 2 on the 2-core CI machine.
 LONGEST_FIRST = ["test_scale.py", "test_launchers.py", "test_readmes.py", "test_03_deepspeed.py",
                  "test_01_ddp.py", "test_02_fsdp.py", "test_exercise_solutions.py",
+                 "test_exercise_solutions_01_02.py",
                  "test_05b_pipeline_expert_context.py", "test_02_practice.py",
                  "test_benchmarks.py", "test_05a_tensor_sequence_hybrid.py",
                  "test_05c_data_parallel_techniques.py", "test_figures_runs.py",

@@ -223,3 +223,12 @@ print(sorted(state for state, _ in launch._gloo_workers().values()))
     assert out.returncode == 0, out.stderr
     states = json.loads(out.stdout.splitlines()[-1].replace("'", '"'))
     assert states and set(states) == {"S"}, out.stdout
+
+
+def test_lessons_load_imports_a_lesson_script_once_without_running_its_main():
+    from dtcourse import lessons
+    path = REPO / "04-nccl-operations" / "ring_allreduce.py"
+    first = lessons.load(path)
+    assert lessons.load(str(path)) is first  # loaded once per process
+    assert first.__name__ == "lesson_04_nccl_operations_ring_allreduce"
+    assert callable(first.ring_all_reduce) and callable(first.main)

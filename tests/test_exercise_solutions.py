@@ -21,14 +21,13 @@ import pytest
 from dtcourse.models import GPT
 
 from conftest import (
+    run_documented,
     REPO,
     assert_adamw_close,
     assert_state_dicts_equal,
     load_export,
     load_script,
     read_json,
-    readme_mentions,
-    run_readme_command,
     run_torchrun,
 )
 
@@ -60,16 +59,10 @@ EX4_04 = ("torchrun --nproc_per_node=2 "
           "--json-out runs/04-nccl-operations/ex4_rs_ag.json")
 
 SOLUTIONS = sorted(p.relative_to(REPO).as_posix()
-                   for folder in ("03-deepspeed", "04-nccl-operations")
+                   for folder in ("01-ddp-basics", "02-fsdp", "03-deepspeed",
+                                  "04-nccl-operations")
                    for p in (REPO / folder / "solutions").glob("*.py"))
 
-
-def run_documented(doc, command: str, *outputs: str):
-    """Run a documented command verbatim, after removing the files an earlier run left behind."""
-    assert readme_mentions(doc, command), f"not in {doc}: {command}"
-    for name in outputs:
-        (REPO / name).unlink(missing_ok=True)
-    return run_readme_command(command, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("script", SOLUTIONS)
@@ -85,6 +78,12 @@ def test_every_solution_script_answers_help_with_its_docstring(script, capsys):
 
 def test_the_solutions_cover_every_exercise_that_asks_for_code():
     assert SOLUTIONS == [
+        "01-ddp-basics/solutions/ex1_no_set_epoch.py",
+        "01-ddp-basics/solutions/ex2_no_loss_division.py",
+        "01-ddp-basics/solutions/ex3_rank0_barrier.py",
+        "02-fsdp/solutions/ex2_root_only.py",
+        "02-fsdp/solutions/ex4_keep_after_reduce.py",
+        "02-fsdp/solutions/ex6_oss_zero_grad.py",
         "03-deepspeed/solutions/ex1_accumulation_census.py",
         "03-deepspeed/solutions/ex2_persistence_threshold.py",
         "03-deepspeed/solutions/ex3_k_bias.py",

@@ -29,7 +29,6 @@ all-reduce of the whole tensor; NCCL: the kernels on the GPU's timeline).
 """
 
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -41,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, lessons, report
 from dtcourse.data import rank_rows, token_batch
 
 SCRIPT = "02-fsdp/figures/fsdp_timeline.py"
@@ -51,16 +50,8 @@ LAUNCHES = {"c10d::_allgather_base_": "all_gather", "c10d::_reduce_scatter_base_
 PHASE = re.compile(r"FSDP::(\w+?)(?: \((.*)\))?$")  # 'FSDP::pre_forward (blocks.0)'
 
 
-def lesson_script(name: str):
-    """A lesson script of 02-fsdp, imported by path (its folder is not a package); its main()
-    runs only when it is executed, so importing it gives its functions."""
-    spec = importlib.util.spec_from_file_location(f"lesson02_{name}", LESSON / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-ft = lesson_script("fsdp_transformer")
+ft = lessons.load(LESSON / "fsdp_transformer.py")
 
 
 def run(args, d) -> dict | None:

@@ -18,10 +18,9 @@ and so on; one launch pays for importing DeepSpeed once instead of four times.
 """
 
 import argparse
-import importlib.util
 from pathlib import Path
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, lessons, report
 from dtcourse.data import rank_rows, token_batch
 from dtcourse.models import GPT
 
@@ -29,16 +28,8 @@ SCRIPT = "03-deepspeed/solutions/ex1_accumulation_census.py"
 LESSON = Path(__file__).resolve().parents[1]
 
 
-def lesson_script(name: str):
-    """A lesson script of 03-deepspeed imported by path (its folder name is not a package name);
-    its main() runs only when it is executed, so importing gives its functions."""
-    spec = importlib.util.spec_from_file_location(f"lesson03_{name}", LESSON / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-train = lesson_script("deepspeed_train")
+train = lessons.load(LESSON / "deepspeed_train.py")
 
 
 def census_of_one_step(args, d, deepspeed, stage: int, accum: int) -> list[int]:

@@ -15,11 +15,10 @@ backward, and the all-gathers of the last step.
 
 import argparse
 import contextlib
-import importlib.util
 from collections import Counter
 from pathlib import Path
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, lessons, report
 from dtcourse.comm import CollectiveCounter
 from dtcourse.data import rank_rows, token_batch
 
@@ -28,16 +27,8 @@ LESSON = Path(__file__).resolve().parents[1]
 KEY = "stage3_param_persistence_threshold"
 
 
-def lesson_script(name: str):
-    """A lesson script of 03-deepspeed imported by path (its folder name is not a package name);
-    its main() runs only when it is executed, so importing gives its functions."""
-    spec = importlib.util.spec_from_file_location(f"lesson03_{name}", LESSON / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-train = lesson_script("deepspeed_train")
+train = lessons.load(LESSON / "deepspeed_train.py")
 
 
 def one_threshold(args, d, deepspeed, threshold: int) -> dict:

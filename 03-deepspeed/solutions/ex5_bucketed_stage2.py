@@ -26,7 +26,6 @@ each size of --bucket-bytes. It counts every reduce with dtcourse.comm.Collectiv
 suffix).
 """
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Variable
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, lessons, report
 from dtcourse.comm import CollectiveCounter
 from dtcourse.data import classification_batch, rank_rows
 
@@ -43,16 +42,8 @@ SCRIPT = "03-deepspeed/solutions/ex5_bucketed_stage2.py"
 LESSON = Path(__file__).resolve().parents[1]
 
 
-def lesson_script(name: str):
-    """A lesson script of 03-deepspeed imported by path (its folder name is not a package name);
-    its main() runs only when it is executed, so importing gives its classes."""
-    spec = importlib.util.spec_from_file_location(f"lesson03_{name}", LESSON / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-zfs = lesson_script("zero_from_scratch")
+zfs = lessons.load(LESSON / "zero_from_scratch.py")
 
 
 class BucketedShardedOptimizer(zfs.ShardedOptimizer):

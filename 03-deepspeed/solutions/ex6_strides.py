@@ -18,28 +18,19 @@ position: the first token of a sequence says nothing about its stride, every lat
 """
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import torch
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, lessons, report
 from dtcourse.data import token_batch
 
 SCRIPT = "03-deepspeed/solutions/ex6_strides.py"
 LESSON = Path(__file__).resolve().parents[1]
 
 
-def lesson_script(name: str):
-    """A lesson script of 03-deepspeed imported by path (its folder name is not a package name);
-    its main() runs only when it is executed, so importing gives its functions."""
-    spec = importlib.util.spec_from_file_location(f"lesson03_{name}", LESSON / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-inference = lesson_script("deepspeed_inference")
+inference = lessons.load(LESSON / "deepspeed_inference.py")
 
 
 @torch.no_grad()

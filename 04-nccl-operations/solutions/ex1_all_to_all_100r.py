@@ -13,29 +13,20 @@ column of the table shows one rank only, so the lines after it list every rank's
 two collectives whose result differs from rank to rank in a way worth deriving by hand.
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, lessons, report
 
 SCRIPT = "04-nccl-operations/solutions/ex1_all_to_all_100r.py"
 LESSON = Path(__file__).resolve().parents[1]
 
 
-def lesson_script(name: str):
-    """A lesson script of 04-nccl-operations imported by path (its folder name is not a package
-    name); its main() runs only when it is executed, so importing gives its functions."""
-    spec = importlib.util.spec_from_file_location(f"lesson04_{name}", LESSON / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-ops = lesson_script("collective_ops")
+ops = lessons.load(LESSON / "collective_ops.py")
 
 
 def all_to_all_100r(r, n, dev):

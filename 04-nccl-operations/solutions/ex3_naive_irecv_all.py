@@ -19,7 +19,6 @@ measures the bytes each one allocates on every rank through torch during one cal
 or NCCL are not torch tensors and are not seen).
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -27,22 +26,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, lessons, report
 
 SCRIPT = "04-nccl-operations/solutions/ex3_naive_irecv_all.py"
 LESSON = Path(__file__).resolve().parents[1]
 
 
-def lesson_script(name: str):
-    """A lesson script of 04-nccl-operations imported by path (its folder name is not a package
-    name); its main() runs only when it is executed, so importing gives its functions."""
-    spec = importlib.util.spec_from_file_location(f"lesson04_{name}", LESSON / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-ring = lesson_script("ring_allreduce")
+ring = lessons.load(LESSON / "ring_allreduce.py")
 
 
 def naive_all_reduce_irecv_all(tensor: torch.Tensor, op: str = "sum", group=None):

@@ -15,14 +15,13 @@ function takes ring_allreduce.py's interface and goes through its checks (error 
 sum, in place) and its timing loop, beside dist.all_reduce and the hand-written ring.
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, lessons, report
 
 SCRIPT = "04-nccl-operations/solutions/ex4_reduce_scatter_all_gather.py"
 LESSON = Path(__file__).resolve().parents[1]
@@ -33,16 +32,8 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def lesson_script(name: str):
-    """A lesson script of 04-nccl-operations imported by path (its folder name is not a package
-    name); its main() runs only when it is executed, so importing gives its functions."""
-    spec = importlib.util.spec_from_file_location(f"lesson04_{name}", LESSON / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-ring = lesson_script("ring_allreduce")
+ring = lessons.load(LESSON / "ring_allreduce.py")
 
 
 def reduce_scatter_all_gather(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
