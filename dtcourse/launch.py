@@ -274,9 +274,25 @@ def teardown() -> None:
     """Destroy the group. gc first: DDP's reducer and DeepSpeed's engine hold process groups in
     reference cycles; freed only at interpreter exit, gloo's threads can abort a finished run."""
     gc.collect()
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if dist.is_initialized():
         dist.destroy_process_group()
         _wait_for_idle_gloo_workers()
+    _remove_deepspeed_shm_buffer(rank)
+
+
+def _remove_deepspeed_shm_buffer(rank: int) -> None:
+    """DeepSpeed's CPU communication op (deepspeed_shm_comm, 0.19) maps a shared-memory buffer per
+    rank, /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, when all
+    ranks are on one machine, and never unlinks it: each launch would leave tens of MB per rank
+    in /dev/shm (memory) until the machine restarts. Every rank removes its own at the end; the
+    other ranks opened it at start, so the name is no longer needed."""
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except OSError:
+        pass  # not a DeepSpeed run on CPU, or not Linux
 
 
 def _gloo_workers() -> dict[str, tuple[str, str]]:

@@ -7,6 +7,7 @@ and port, and say in one message what is wrong when the variables contradict eac
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -232,3 +233,26 @@ def test_lessons_load_imports_a_lesson_script_once_without_running_its_main():
     assert lessons.load(str(path)) is first  # loaded once per process
     assert first.__name__ == "lesson_04_nccl_operations_ring_allreduce"
     assert callable(first.ring_all_reduce) and callable(first.main)
+
+
+def test_teardown_removes_the_shared_memory_buffer_deepspeed_leaves(monkeypatch):
+    """DeepSpeed 0.19's CPU comm op names its per-rank buffer after uid, MASTER_ADDR, MASTER_PORT
+    and rank (ops/csrc/cpu/comm/shm.cpp) and never unlinks it; teardown removes this rank's."""
+    from pathlib import Path
+
+    from dtcourse import launch
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this system")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # no real job uses port 1
+    monkeypatch.setenv("RANK", "3")
+    mine = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_1_3")
+    other = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_1_2")
+    for path in (mine, other):
+        path.write_bytes(b"x")
+    try:
+        launch.teardown()  # no group here: the rank comes from RANK
+        assert not mine.exists() and other.exists()  # only this rank's
+    finally:
+        other.unlink(missing_ok=True)
+        mine.unlink(missing_ok=True)
