@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dtcourse import cli, comm, launch, report
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
+from dtcourse.profiling import nvtx_range
 
 SCRIPT = "01-ddp-basics/ddp_training.py"
 
@@ -96,16 +97,20 @@ def train_step(args, d, ddp, optimizer, scheduler, scaler, step: int) -> torch.T
         sync_ctx = contextlib.nullcontext() if last else ddp.no_sync()
         with sync_ctx, torch.autocast(d.device.type, dtype=autocast_dtype,
                                       enabled=autocast_dtype is not None):
-            loss = F.cross_entropy(ddp(x), y)
+            with nvtx_range("forward"):
+                loss = F.cross_entropy(ddp(x), y)
             # Divide by the micro-steps: the accumulated gradient is then the gradient of the
-            # mean loss over all of this rank's samples, not grad_accum times it.
-            scaler.scale(loss / args.grad_accum).backward()
+            # mean loss over all of this rank's samples, not grad_accum times it. DDP launches
+            # each bucket's all-reduce from inside this range (nsys: NCCL kernels beside it).
+            with nvtx_range("backward"):
+                scaler.scale(loss / args.grad_accum).backward()
         step_loss += loss.detach().float() / args.grad_accum
 
-    scaler.step(optimizer)  # unscales first when fp16; a plain optimizer.step() otherwise
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    with nvtx_range("optimizer"):
+        scaler.step(optimizer)  # unscales first when fp16; a plain optimizer.step() otherwise
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
     return step_loss
 
 
@@ -190,7 +195,9 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, rec
         lr = optimizer.param_groups[0]["lr"]  # the LR this step uses; the scheduler then moves it
         # Count what the last step sends (DDP's bucket all-reduces, as the dispatcher sees them).
         counter = comm.CollectiveCounter() if step == args.steps - 1 else contextlib.nullcontext()
-        with counter:
+        # A range per step: `nsys profile --capture-range=nvtx --nvtx-capture="step N"` records
+        # that step only (05-advanced/c-data-parallel-techniques/README.md, Profiling).
+        with nvtx_range(f"step {step + 1}"), counter:
             step_loss = train_step(args, d, ddp, optimizer, scheduler, scaler, step)
         if step == args.steps - 1:
             comms = counter.summary()
@@ -198,7 +205,8 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, rec
         # Report the mean loss over the global batch, and agree on a pending SIGTERM.
         # One small all-reduce: [sum of rank losses, number of ranks that received SIGTERM].
         flags = torch.stack([step_loss, torch.tensor(float(stop["requested"]), device=d.device)])
-        dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+        with nvtx_range("all_reduce: loss, SIGTERM flag"):
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM)
         losses.append(flags[0].item() / d.world_size)
         recent = (recent + losses[-1:])[-args.log_every:]
         timed_samples += args.global_batch if step >= start_step + 1 else 0

@@ -40,6 +40,7 @@ from dtcourse import cli, launch, report
 from dtcourse.comm import CollectiveCounter
 from dtcourse.data import rank_rows, token_batch
 from dtcourse.models import GPT, init_gpt
+from dtcourse.profiling import nvtx_range
 
 try:  # public since torch 2.6; the same objects lived in torch.distributed._composable.fsdp before
     from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
@@ -157,16 +158,20 @@ def train_step(args, d, model, mesh, optimizer, x_local, y_local, comm, between=
                 sync = contextlib.nullcontext() if last else model.no_sync()
             mb = slice(micro * args.batch_size, (micro + 1) * args.batch_size)
             with sync, torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast):
-                logits = model(x_local[mb])  # (B, T, vocab)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y_local[mb].flatten())
-                (loss / args.grad_accum).backward()
+                with nvtx_range("forward"):  # FSDP: each block's all-gather
+                    logits = model(x_local[mb])  # (B, T, vocab)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y_local[mb].flatten())
+                with nvtx_range("backward"):  # FSDP: all-gathers, reduce-scatters; DDP: buckets
+                    (loss / args.grad_accum).backward()
             step_loss += loss.detach().float() / args.grad_accum
             if between is not None and not last:
                 between()
     # The global gradient norm: on DTensor grads the local sums of squares are all-reduced over
     # the shard group, so every rank clips by the same factor as one process would.
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    optimizer.step()
+    with nvtx_range("clip_grad_norm"):
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    with nvtx_range("optimizer"):
+        optimizer.step()
     return step_loss, (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
@@ -192,9 +197,12 @@ def train(args, strategy: str, d):
         # ... and the gradient bytes held between its micro-steps
         between = (lambda: accum_grads.append(accumulating_grad_bytes(model))) \
             if step == args.steps - 1 else None
-        step_loss, norm = train_step(args, d, model, mesh, optimizer, x_all[rows].to(d.device),
-                                     y_all[rows].to(d.device), comm, between)
-        dist.all_reduce(step_loss)  # sum of the ranks' means -> mean over the global batch
+        with nvtx_range(f"step {step + 1}"):  # nsys --capture-range=nvtx --nvtx-capture="step N"
+            step_loss, norm = train_step(args, d, model, mesh, optimizer,
+                                         x_all[rows].to(d.device), y_all[rows].to(d.device), comm,
+                                         between)
+        with nvtx_range("all_reduce: loss"):
+            dist.all_reduce(step_loss)  # sum of the ranks' means -> mean over the global batch
         losses.append(step_loss.item() / d.world_size)
         grad_norms.append(norm)
         bar.update(1)

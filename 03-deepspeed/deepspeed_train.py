@@ -46,6 +46,7 @@ from dtcourse import cli, launch, report  # noqa: E402
 from dtcourse.comm import CollectiveCounter  # noqa: E402
 from dtcourse.data import rank_rows, token_batch  # noqa: E402
 from dtcourse.models import GPT, gpt_init_value  # noqa: E402
+from dtcourse.profiling import nvtx_range  # noqa: E402
 
 SCRIPT = "03-deepspeed/deepspeed_train.py"
 HERE = Path(__file__).resolve().parent
@@ -137,14 +138,17 @@ def train_step(engine, x_local, y_local, micro: int, accum: int, device, after_b
     for m in range(accum):
         x, y = x_local[m * micro:(m + 1) * micro], y_local[m * micro:(m + 1) * micro]
         phase("forward")
-        logits = engine(x)                                      # (B, T) -> (B, T, vocab)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        with nvtx_range("forward"):
+            logits = engine(x)                                  # (B, T) -> (B, T, vocab)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         phase("backward")
-        engine.backward(loss)  # divides by grad_accum itself; reduces gradients (see the top)
+        with nvtx_range("backward"):
+            engine.backward(loss)  # divides by grad_accum itself; reduces gradients (see the top)
         if after_backward is not None:
             after_backward()
         phase("step")
-        engine.step()  # steps the optimizer only on the accumulation boundary
+        with nvtx_range("optimizer"):
+            engine.step()  # steps the optimizer only on the accumulation boundary
         step_loss += loss.detach().float() / accum
     return step_loss
 
@@ -332,7 +336,8 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
         measure = (lambda: census.append(memory_census(engine, model, config))) if last else None
         # ... and what it sends: every collective the engine issues in one optimizer step
         counter = CollectiveCounter() if last else contextlib.nullcontext()
-        with counter:
+        # nsys --capture-range=nvtx --nvtx-capture="step N" records the range of step N only
+        with nvtx_range(f"step {step + 1}"), counter:
             step_loss = train_step(engine, x_all[rows].to(d.device), y_all[rows].to(d.device),
                                    micro, accum, d.device, measure,
                                    phase=lambda name: setattr(counter, "phase", name))
@@ -345,7 +350,8 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
         # Mean loss over the global batch, and whether any rank has received SIGTERM.
         flags = torch.stack([step_loss, torch.tensor(float(SIGTERM_RECEIVED.is_set()),
                                                      device=d.device)])
-        dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+        with nvtx_range("all_reduce: loss, SIGTERM flag"):
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM)
         losses.append(flags[0].item() / d.world_size)
         timed_samples += global_bs if step >= start_step + 1 else 0
         done = step + 1

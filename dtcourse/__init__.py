@@ -4,6 +4,7 @@
     cli      the shared flags (--device --timeout-s --seed --steps ...) and fail(): one line, exit 2
     report   rank-0 printing, the progress bar, per-rank bytes, the metrics JSON, the plain export
     comm     a counter of the collectives a step issues (calls, bytes, dtypes, group sizes)
+    profiling  named ranges of a step for torch.profiler (record_function) and nsys (NVTX)
     models   the models more than one lesson trains: the MLP classifier and the GPT
     data     their deterministic synthetic batches: step t's global batch is a function of (seed, t)
 

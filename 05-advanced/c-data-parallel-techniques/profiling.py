@@ -9,14 +9,18 @@ Launch (from the repository root):
         --device cuda --hidden 4096 --trace-dir runs/traces
 
 Then open runs/traces/trace_rank0.json in https://ui.perfetto.dev (or chrome://tracing): the
-labelled regions of each step and, under `allreduce`, gloo's (or NCCL's) all_reduce op.
+labelled regions of each step and, under `allreduce`, gloo's (or NCCL's) all_reduce op. The
+same tracks, every rank in one picture, drawn from the trace files:
+    python 05-advanced/c-data-parallel-techniques/figures/trace_timeline.py runs/traces \
+        runs/profiling_timeline.png
 
 The profiler runs on a schedule so that start-up does not pollute the numbers:
 
     step:   1      2        3 4 5
             wait   warmup   active (recorded)        -> on_trace_ready writes trace_rank<r>.json
 
-Each step is labelled with record_function: data | forward | backward | allreduce | optimizer.
+Each step is labelled with dtcourse.profiling.nvtx_range: data | forward | backward | allreduce |
+optimizer, a record_function for torch.profiler and, on CUDA, an NVTX range for Nsight Systems.
 Gradients are averaged by one explicit flat all-reduce after backward (no overlap), so the
 `allreduce` label is all the time a rank spends in it: the transfer, plus, on a rank that arrives
 early, the wait for the slowest rank (load imbalance, not communication). The rank that arrives
@@ -26,17 +30,19 @@ time, with no ceiling. Amdahl's law bounds strong scaling instead (a fixed globa
 ways: compute shrinks, the all-reduce does not).
 """
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile, record_function, schedule
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from dtcourse import cli, launch, report
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
+from dtcourse.profiling import machine, nvtx_range
 
 SCRIPT = "05-advanced/c-data-parallel-techniques/profiling.py"
 REGIONS = ("data", "forward", "backward", "allreduce", "optimizer")
@@ -48,10 +54,11 @@ REGIONS = ("data", "forward", "backward", "allreduce", "optimizer")
 
 @contextmanager
 def region(name: str, device: torch.device):
-    """A labelled range of the trace. On CUDA kernels run asynchronously: synchronising before the
-    range closes makes it last until its kernels have finished, not just until they were
-    launched (the previous range's synchronisation already left the GPU idle at its start)."""
-    with record_function(name):
+    """A labelled range of the trace (and of an nsys timeline, on CUDA). On CUDA kernels run
+    asynchronously: synchronising before the range closes makes it last until its kernels have
+    finished, not just until they were launched (the previous range's synchronisation already
+    left the GPU idle at its start)."""
+    with nvtx_range(name):
         yield
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -91,10 +98,15 @@ def profiled_training(args, d, model, optimizer, trace_path):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.device.type == "cuda"
                                            else [])
     losses = []
-    with profile(activities=activities,
-                 schedule=schedule(wait=args.wait, warmup=args.warmup, active=args.active,
-                                   repeat=1),
-                 on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace_path))) as prof:
+    prof = profile(activities=activities,
+                   schedule=schedule(wait=args.wait, warmup=args.warmup, active=args.active,
+                                     repeat=1),
+                   on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace_path)))
+    # A top-level "course" entry of the trace file says what ran, for figures/trace_timeline.py.
+    prof.preset_metadata_json("course", json.dumps({
+        "script": SCRIPT, "machine": machine(d.device), "torch_version": torch.__version__,
+        "steps": {"wait": args.wait, "warmup": args.warmup, "active": args.active}}))
+    with prof:
         for step in range(args.wait + args.warmup + args.active):
             losses.append(train_step(args, d, model, optimizer, step))
             prof.step()  # advances the schedule; marks "ProfilerStep#k" in the trace
