@@ -529,9 +529,11 @@ LONGEST_FIRST = ["test_scale.py", "test_launchers.py", "test_readmes.py", "test_
                  "test_exercise_solutions_01_02.py",
                  "test_05b_pipeline_expert_context.py", "test_02_practice.py",
                  "test_benchmarks.py", "test_05a_tensor_sequence_hybrid.py",
-                 "test_05c_data_parallel_techniques.py", "test_figures_runs.py",
+                 "test_05c_data_parallel_techniques.py", "test_05b_ulysses_moe.py",
+                 "test_05a_scale_bugs.py", "test_05b_zero_bubble.py", "test_05c_accum_loading.py",
+                 "test_profiling_nvtx.py", "test_figures_runs.py",
                  "test_primers.py", "test_01_internals.py", "test_bad_inputs.py",
-                 "test_04_nccl.py", "test_dtcourse.py"]
+                 "test_04_nccl.py", "test_cost_model.py", "test_dtcourse.py"]
 
 
 def pytest_collection_modifyitems(items):
