@@ -259,9 +259,10 @@ def test_every_configurations_drawn_schedule_respects_its_dependencies(pp_gradie
 
 def test_pipeline_training_export_equals_the_unsplit_model_trained_in_one_process(tmp_path):
     # world 2, the hand-written 1F1B: 8 micro-batches of 6 rows. (torch's schedules are held to
-    # the same gradients by the sweep above; they share this script's export code.)
-    result = run_torchrun(PP, "--steps", "4", "--export", tmp_path / "w2.pt", "--metrics-out",
-                          tmp_path / "w2.json", nproc=2)
+    # the same gradients by the sweep above; they share this script's export code.) No simulated
+    # compute time: it changes no number here, and would sleep ~4 s.
+    result = run_torchrun(PP, "--steps", "4", "--layer-ms", "0", "--export", tmp_path / "w2.pt",
+                          "--metrics-out", tmp_path / "w2.json", nproc=2)
     # the schedule it printed: 1F1B at p = 2, m = 8
     assert check_schedule(printed_schedule(result.stdout), p=2, m=8, stages=2) == 2 * (8 + 2 - 1)
     run_python(FIGURES, tmp_path / "w2.json", tmp_path / "t.png")  # the last step's timeline

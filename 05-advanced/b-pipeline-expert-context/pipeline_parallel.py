@@ -1,15 +1,21 @@
 """Pipeline parallelism: one model cut into p stages (one per rank), a batch cut into m
 micro-batches, and the schedules that decide who computes what when: GPipe and 1F1B written by
-hand with send/recv, and the same (plus interleaved 1F1B) with torch.distributed.pipelining.
+hand with send/recv, and the same (plus interleaved 1F1B and two zero-bubble schedules) with
+torch.distributed.pipelining.
 
 Launch (from the repository root, with D=05-advanced/b-pipeline-expert-context):
-    python $D/pipeline_parallel.py                                # p = 1: the unsplit model
+    python $D/pipeline_parallel.py --layer-ms 0                   # p = 1: the unsplit model
     torchrun --nproc_per_node=4 $D/pipeline_parallel.py           # 1F1B by hand, p = 4, m = 8
     torchrun --nproc_per_node=4 $D/pipeline_parallel.py --schedule gpipe --layer-ms 25 \\
-        --metrics-out runs/pp_gpipe.json                          # fixed-cost stages
+        --metrics-out runs/pp_gpipe.json                          # longer boxes
     python $D/figures/pp_figures.py runs/pp_gpipe.json runs/pp_gpipe.png   # draw its timeline
     torchrun --nproc_per_node=2 $D/pipeline_parallel.py --impl torch --schedule interleaved
+    torchrun --nproc_per_node=4 $D/pipeline_parallel.py --impl torch --schedule zbv
     torchrun --nproc_per_node=4 $D/pipeline_sweep.py ...          # bubble and memory for many m
+
+The stages compute almost nothing (a toy model on a CPU), so every layer sleeps a simulated compute
+time, --layer-ms per micro-batch forward (10 ms by default; a backward twice as long): then
+compute, not the transfers, sets the step, as on GPUs running a real model, where the flag is 0.
 
 After its last step the script prints the schedule it ran: each rank's forwards (F) and
 backwards (B) of the m micro-batches, in the order the rank ran them, one slot per F or B and each
@@ -25,6 +31,16 @@ drain are made of stages v times shorter, so the bubble shrinks to (p - 1) / (v 
 whole rounds of p micro-batches: p divides m), at the price of v times more point-to-point
 transfers.
 
+Zero bubble (Qi et al. 2023, arXiv 2401.10241) splits each backward in two: B, the gradient of the
+stage's input, which the previous stage waits for, and W, the gradient of its weights, which nobody
+waits for and which fills the idle slots. With F, B and W of equal cost (one matmul per linear
+layer each): zb1p (torch's ScheduleInterleavedZeroBubble, one stage per rank: the paper's ZB-H1)
+idles (p - 1)(t_F + t_B - t_W), a share (p - 1) / (3 m + p - 1), a third of 1F1B's idle time;
+zbv (ScheduleZBVZeroBubble, the paper's ZB-V) gives each rank two stages of half the layers in a
+V, rank r holding stages r and 2p - 1 - r, and leaves only the start-up skew of its first
+forwards: (p - 1) / (6 m + p - 1) for m >= 2p - 1, zero in the paper's count, which starts each
+rank's step at its first box.
+
 Communication: the only traffic is point to point between neighbours: stage s sends its output
 activation (rows, hidden) to stage s + 1, and receives d(loss)/d(output) of the same shape back.
 """
@@ -37,12 +53,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch.distributed.pipelining import PipelineStage
+
 from dtcourse import cli, launch, report
 from dtcourse.data import classification_batch
 from dtcourse.models import ResidualMLP
 
 SCRIPT = "05-advanced/b-pipeline-expert-context/pipeline_parallel.py"
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+ZERO_BUBBLE = ("zb1p", "zbv")  # torch only: the backward split into B (input) and W (weights)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,8 +227,9 @@ def unit_slots(orders, n_stages: int):
     {slot: op}: every op takes one slot (a backward drawn as long as a forward) and starts as soon
     as its rank is free and its input is there: F_i on stage s one slot after F_i on stage s - 1
     has sent the activation, B_i on stage s after B_i on stage s + 1 has sent the gradient (B_i on
-    the last stage follows F_i, earlier on the same rank). The step of a pipe whose transfers are
-    free and whose stages cost the same."""
+    the last stage follows F_i, earlier on the same rank), W_i after B_i on its own stage. The step
+    of a pipe whose transfers are free and whose stages cost the same (exactly so for zero bubble,
+    whose F, B and W each cost one forward)."""
     done = {}  # op -> the slot it ran in
     free = [0] * len(orders)  # rank -> its first free slot
     todo = [list(order) for order in orders]
@@ -219,7 +239,9 @@ def unit_slots(orders, n_stages: int):
         for r, queue in enumerate(todo):
             while queue:
                 kind, s, i = queue[0]
-                src = (kind, s - 1 if kind == "F" else s + 1, i)  # who sends this op its input
+                # who gives this op its input: the previous stage (F), the next one (B), or this
+                # stage's B (W, on the same rank)
+                src = {"F": ("F", s - 1, i), "B": ("B", s + 1, i), "W": ("B", s, i)}[kind]
                 if 0 <= src[1] < n_stages and src not in done:
                     break  # not sent yet: another rank must move first
                 t = max(free[r], done.get(src, -1) + 1)
@@ -232,8 +254,9 @@ def unit_slots(orders, n_stages: int):
 
 
 def draw_schedule(orders, n_stages: int) -> str:
-    """One line per rank: F3 = forward of micro-batch 3, B3 its backward, . idle; with several
-    stages per rank (interleaved) F3s5 names the stage too."""
+    """One line per rank: F3 = forward of micro-batch 3, B3 its backward (with zero bubble: the
+    input gradient, W3 the weight gradient), . idle; with several stages per rank (interleaved,
+    zbv) F3s5 names the stage too."""
     several = n_stages > len(orders)
 
     def name(op):
@@ -253,7 +276,18 @@ def ran(events):
 
 
 # --------------------------------------------------------------------------------------------------
-# The same schedules with torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B)
+# The same schedules with torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B), and the
+# zero-bubble ones, which split each backward into B (input gradient) and W (weight gradient)
+
+
+def stage_indices(schedule: str, p: int, v: int, rank: int) -> list[int]:
+    """The stages rank r holds, of p v. One per rank: r. Interleaved (a loop): r, r + p, r + 2p,
+    ... ScheduleZBVZeroBubble (a V): r and 2p - 1 - r, so the forward runs down the ranks and back
+    up (rank p - 1 holds stages p - 1 and p: the turn costs no transfer) and rank 0 holds both the
+    first and the last stage."""
+    if schedule == "zbv":
+        return [rank, 2 * p - 1 - rank]
+    return [rank + c * p for c in range(v)]
 
 
 def torch_schedule(stages, schedule: str, p: int, m: int, rows: int, hidden: int, device,
@@ -262,24 +296,27 @@ def torch_schedule(stages, schedule: str, p: int, m: int, rows: int, hidden: int
     input/output tensors give the P2P buffer shapes up front (no shape-inference pass); their
     requires_grad tells the library which gradients travel back (all but the data's)."""
     from torch.distributed.pipelining import (
-        PipelineStage,
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
     n = p * len(stages)
     pipe_stages = []
     for st in stages:
         width_in = st.embed.in_features if st.embed is not None else hidden
         width_out = st.head.out_features if st.head is not None else hidden
-        pipe_stages.append(PipelineStage(
+        pipe_stages.append(MeasuredPipelineStage(
             st, st.index, n, device,
             input_args=(torch.empty(rows, width_in, device=device,
                                     requires_grad=st.embed is None),),
             output_args=(torch.empty(rows, width_out, device=device, requires_grad=True),),
             group=group))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-           "interleaved": ScheduleInterleaved1F1B}[schedule]
+    # ScheduleInterleavedZeroBubble with one stage per rank is the paper's ZB-H1 ("ZB1P" in its
+    # docstring); ScheduleZBVZeroBubble maps stages to ranks in a V itself (it needs exactly 2).
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+           "zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[schedule]
     # torch >= 2.7 divides gradients by m unless scale_grads=False; older versions never do.
     # micro_loss already divides by m, so we switch the library's scaling off where it exists.
     extra = {"scale_grads": False} if "scale_grads" in inspect.signature(cls).parameters else {}
@@ -287,25 +324,42 @@ def torch_schedule(stages, schedule: str, p: int, m: int, rows: int, hidden: int
     def loss_fn(logits, target):
         return micro_loss(logits, target, m)
 
+    if schedule in ("gpipe", "1f1b"):  # the single-stage schedules take the stage itself
+        return cls(pipe_stages[0], n_microbatches=m, loss_fn=loss_fn, **extra)
+    return cls(pipe_stages, n_microbatches=m, loss_fn=loss_fn, **extra)
+
+
+def bubble_formula(schedule: str, p: int, v: int, m: int) -> tuple[float, str]:
+    """The idle share of a step between two barriers, for stages of equal cost, a forward t_F,
+    a backward t_B + t_W = 2 t_F (zero bubble: B and W one t_F each), free transfers. (Value,
+    how it is written.) GPipe and 1F1B: (p - 1)(t_F + t_B + t_W) idle of (m + p - 1)(...).
+    Interleaved: stages v times shorter fill the pipe (p dividing m). zb1p: (p - 1)(t_F + t_B -
+    t_W) idle (Qi et al., table 2, ZB-H1) of 3 m t_F busy, for m >= p. zbv: two stages of t_F / 2
+    per rank and no idle slot from a rank's first box to its last; only the skew of the first
+    forwards, r t_F / 2 before rank r starts and p - 1 - r after it ends, for m >= 2p - 1."""
     if schedule == "interleaved":
-        return cls(pipe_stages, n_microbatches=m, loss_fn=loss_fn, **extra)
-    return cls(pipe_stages[0], n_microbatches=m, loss_fn=loss_fn, **extra)
+        return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
+    if schedule == "zb1p":
+        return (p - 1) / (3 * m + p - 1), "(p-1)/(3m+p-1)"
+    if schedule == "zbv":
+        return (p - 1) / (6 * m + p - 1), "(p-1)/(6m+p-1)"
+    return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
 
 
 # --------------------------------------------------------------------------------------------------
 # One pipeline, either implementation
 
 
-def build_stages(args, p: int, v: int, rank: int):
+def build_stages(args, schedule: str, p: int, v: int, rank: int):
     """Build the unsplit model from the seed on every rank (identical initial weights), keep the
-    stages of this rank and drop the rest. (A large model would be built on the meta device and
-    only this rank's stages materialised; the weights would then come from a checkpoint.)
-    Interleaved: rank r holds stages r, r + p, r + 2p, ... (v of them)."""
+    stages of this rank (stage_indices) and drop the rest. (A large model would be built on the
+    meta device and only this rank's stages materialised; the weights would then come from a
+    checkpoint.)"""
     torch.manual_seed(args.seed)
     model = ResidualMLP(args.hidden, args.layers)
     recorder = Recorder()
-    stages = [MeasuredStage(model, rank + c * p, p * v, args.layer_ms, recorder)
-              for c in range(v)]
+    stages = [MeasuredStage(model, s, p * v, args.layer_ms, recorder)
+              for s in stage_indices(schedule, p, v, rank)]
     recorder.meter.param_storages = {q.untyped_storage().data_ptr()
                                      for st in stages for q in st.parameters()}
     return stages, recorder
@@ -320,7 +374,11 @@ class Pipeline:
                  rank: int, device, group=None):
         self.impl, self.schedule, self.p, self.v, self.m = impl, schedule, p, v, m
         self.rank, self.device, self.group, self.rows = rank, device, group, batch // m
-        self.stages, self.recorder = build_stages(args, p, v, rank)
+        self.stages, self.recorder = build_stages(args, schedule, p, v, rank)
+        # who feeds the data in and who computes the loss: ranks 0 and p - 1, but rank 0 for zbv
+        self.has_first = any(st.index == 0 for st in self.stages)
+        self.has_last = any(st.index == p * v - 1 for st in self.stages)
+        self.last_rank = 0 if schedule == "zbv" else p - 1
         for st in self.stages:
             st.to(device)
         self.link = Link(rank, p, (self.rows, args.hidden), device)
@@ -331,10 +389,12 @@ class Pipeline:
     def parameters(self):
         return [q for st in self.stages for q in st.parameters()]
 
-    def step(self, x, y, fixed_cost: bool = True):
+    def step(self, x, y, fixed_cost: bool = False):
         """Forward and backward of one batch: fills .grad. Returns the loss on the rank that
-        holds the last stage (a 0-dim tensor), None on the others."""
-        first, last = self.rank == 0, self.rank == self.p - 1
+        holds the last stage (a 0-dim tensor), None on the others. fixed_cost: every box sleeps
+        its simulated compute time (--layer-ms), as the training loop and the sweep's measured
+        step ask; without it the step runs at the toy model's own speed."""
+        first, last = self.has_first, self.has_last
         for st in self.stages:
             st.cost_s = st.layer_cost_s if fixed_cost else 0.0
         x, y = x.to(self.device), y.to(self.device)
@@ -375,15 +435,13 @@ class Pipeline:
                 "peak_activation_bytes": self.recorder.meter.peak,
                 "events": self.recorder.events}
 
-    def formula(self):
-        return (self.p - 1) / (self.v * self.m + self.p - 1)
+    def formula(self) -> tuple[float, str]:
+        return bubble_formula(self.schedule, self.p, self.v, self.m)
 
 
 def merge(parts):
     """The ranks' {name: tensor} pieces -> one state_dict of the unsplit ResidualMLP."""
     return {k: t for part in parts for k, t in part.items()}
-
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -460,7 +518,8 @@ class _OnBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, hook):
         ctx.hook = hook
-        return x.view_as(x)
+        # a copy, not a view: the zero-bubble schedules detach a stage's output in place after B
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
@@ -470,9 +529,11 @@ class _OnBackward(torch.autograd.Function):
 
 class MeasuredStage(Stage):
     """A Stage whose forward and backward are recorded as boxes of the timeline and, with
-    --layer-ms, made to cost a fixed time (sleep) so the bubble can be measured exactly. A
-    backward box opens when the gradient of the stage's output arrives and closes when the
-    gradient of its input leaves: an _OnBackward marker at each end of the stage."""
+    --layer-ms, made to cost a simulated compute time (a sleep: ranks that share a few CPU cores
+    do not compete for them) so the bubble can be measured. A backward box opens when the
+    gradient of the stage's output arrives and closes when the gradient of its input leaves: an
+    _OnBackward marker at each end of the stage. A split backward (zero bubble) is two boxes: B,
+    here, and W, recorded by MeasuredPipelineStage."""
 
     def __init__(self, model: ResidualMLP, index: int, num_stages: int, layer_ms: float,
                  recorder: Recorder):
@@ -484,6 +545,7 @@ class MeasuredStage(Stage):
         # and stays out of the exported state_dict. Not a parameter: see _OnBackward.
         self.register_buffer("anchor", torch.zeros((), requires_grad=True), persistent=False)
         self.bwd_start = {}
+        self.split = False  # set by the library for each backward: input gradient only?
 
     def forward(self, x):
         rec = self.recorder
@@ -501,9 +563,36 @@ class MeasuredStage(Stage):
         return _OnBackward.apply(h, self.anchor, lambda: self.bwd_start.update({mb: rec.now()}))
 
     def _backward_done(self, mb):
-        time.sleep(2 * self.cost_s)  # a backward costs about two forwards (two matmuls per one)
+        # A backward costs about two forwards: per linear layer, a forward makes one matmul
+        # (x W^T), a backward two (dx = dy W for B, dW = dy^T x for W). Split, B is one of them.
+        time.sleep((1 if self.split else 2) * self.cost_s)
         rec = self.recorder
         rec.events.append(("B", self.index, mb, self.bwd_start.pop(mb), rec.now()))
+        if not self.split:  # a split backward holds the activations until W
+            rec.held -= 1
+
+
+class MeasuredPipelineStage(PipelineStage):
+    """torch's PipelineStage around a MeasuredStage, which records F and B. For the zero-bubble
+    schedules, which run a backward as B (backward_one_chunk(full_backward=False)) and later W
+    (backward_weight_one_chunk), it tells the stage that B is only half of it and records W: a
+    box costing one forward. On the first stage the library skips B (no stage waits for the
+    data's gradient) and runs the whole backward in W: the markers then record B inside W's
+    call, and the W box starts where B ends."""
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        self.submod.split = not full_backward
+        return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                          last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        st, rec = self.submod, self.submod.recorder
+        start, recorded = rec.now(), len(rec.events)
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if len(rec.events) > recorded:  # the first stage: its B box was recorded just now
+            start = rec.events[-1][4]
+        time.sleep(st.cost_s)
+        rec.events.append(("W", st.index, bwd_chunk_id, start, rec.now()))
         rec.held -= 1
 
 
@@ -525,12 +614,12 @@ def train(args, d):
         if step == 1:
             t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
         x, y = classification_batch(args.seed, step, args.batch_size)  # every stage: same rows
-        loss = pipe.step(x, y)
+        loss = pipe.step(x, y, fixed_cost=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         # The loss lives on the last stage: one broadcast brings it to rank 0 for the log.
         held = loss.reshape(1) if loss is not None else torch.zeros(1, device=d.device)
-        dist.broadcast(held, src=p - 1)
+        dist.broadcast(held, src=pipe.last_rank)
         losses.append(held.item())
         bar.update(1)
         if d.rank == 0 and ((step + 1) % 5 == 0 or step in (0, args.steps - 1)):
@@ -548,14 +637,19 @@ def report_run(args, d, pipe, optimizer, losses, samples_per_s):
         params=pipe.parameters(), optimizer=optimizer, device=d.device)))
     weights = merge(report.gather(pipe.full_state()))
     bubble = sum(r["bubble"] for r in per_rank) / d.world_size
+    formula, written = pipe.formula()
     # the measured bubble is a timing (marked `~`); the formula's value is exact
     report.print0(f"last step: bubble ~{bubble:.3f} measured (mean over ranks) vs "
-                  f"{pipe.formula():.3f} = (p-1)/({'v*' if pipe.v > 1 else ''}m+p-1) | "
+                  f"{formula:.3f} = {written} | "
                   f"micro-batches held per rank {[r['peak_held_microbatches'] for r in per_rank]}"
                   f" | peak activations per rank (KiB) "
                   f"{[round(r['peak_activation_bytes'] / 1024, 1) for r in per_rank]}")
-    report.print0("last step's schedule: one slot per forward F or backward B (drawn as long as "
-                  "F), each as early as its input allows")
+    if args.schedule in ZERO_BUBBLE:
+        report.print0("last step's schedule: one slot per forward F, input gradient B and weight "
+                      "gradient W (each costs a forward), each as early as its input allows")
+    else:
+        report.print0("last step's schedule: one slot per forward F or backward B (drawn as long "
+                      "as F), each as early as its input allows")
     report.print0(draw_schedule([ran(r["events"]) for r in per_rank], d.world_size * pipe.v))
     report.print0(f"done: {args.steps} steps, {samples_per_s:.0f} samples/s")
     metrics = report.metrics(
@@ -563,7 +657,7 @@ def report_run(args, d, pipe, optimizer, losses, samples_per_s):
         losses=losses, samples_per_s=samples_per_s, per_rank=per_rank, schedule=args.schedule,
         impl=args.impl, pipeline_stages=d.world_size * pipe.v, virtual_stages=pipe.v,
         microbatches=pipe.m, layers=args.layers, layer_ms=args.layer_ms, bubble=bubble,
-        bubble_formula=pipe.formula())
+        bubble_formula=formula)
     report.finish(args, metrics, weights)
 
 
@@ -572,7 +666,7 @@ def report_run(args, d, pipe, optimizer, losses, samples_per_s):
 
 
 def virtual_stages(schedule: str, v_arg: int) -> int:
-    return (v_arg or 2) if schedule == "interleaved" else (v_arg or 1)
+    return (v_arg or 2) if schedule in ("interleaved", "zbv") else (v_arg or 1)
 
 
 def too_few_layers(p: int, v: int, layers: int):
@@ -587,42 +681,48 @@ def unsupported(impl: str, schedule: str, p: int, v: int, m: int, layers: int, b
     if batch % m:
         return (f"--batch-size {batch} is not divisible by --microbatches {m} (the receiving "
                 "stage preallocates one buffer shape for every micro-batch)")
-    if schedule == "interleaved" and impl == "manual":
-        return "the interleaved schedule is shown with --impl torch (manual: gpipe or 1f1b)"
+    if schedule in ("interleaved",) + ZERO_BUBBLE and impl == "manual":
+        return f"the {schedule} schedule is shown with --impl torch (manual: gpipe or 1f1b)"
     if schedule == "interleaved" and v < 2:
         return f"interleaved needs --virtual-stages >= 2, got {v}"
-    if schedule != "interleaved" and v != 1:
+    if schedule == "zbv" and v != 2:
+        return f"zbv holds exactly 2 stages per rank (a V), got --virtual-stages {v}"
+    if schedule not in ("interleaved", "zbv") and v != 1:
         return f"--virtual-stages {v} needs --schedule interleaved ({schedule} has 1 per rank)"
     if impl == "torch" and schedule == "1f1b" and m < p:
         return (f"torch's Schedule1F1B needs --microbatches >= stages: m = {m} < p = {p} "
                 "(use --impl manual or --schedule gpipe)")
-    if impl == "torch" and schedule == "interleaved" and m % max(1, m // p):
-        return (f"torch's ScheduleInterleaved1F1B splits the m = {m} micro-batches into "
+    if impl == "torch" and schedule in ("interleaved", "zb1p") and m % max(1, m // p):
+        name = {"interleaved": "Interleaved1F1B", "zb1p": "InterleavedZeroBubble"}[schedule]
+        return (f"torch's Schedule{name} splits the m = {m} micro-batches into "
                 f"max(1, m // p) = {m // p} rounds of equal size (p = {p}): m must be a multiple")
     return None
 
 
 def add_model_args(p):
-    """The model and its fixed cost (shared with pipeline_sweep.py)."""
+    """The model and its simulated compute time (shared with pipeline_sweep.py)."""
     p.add_argument("--layers", type=int, default=8, help="residual blocks, cut evenly into stages")
     p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layer-ms", type=float, default=0.0,
-                   help="fixed cost: each block sleeps this long in forward, twice in backward")
+    p.add_argument("--layer-ms", type=float, default=10.0,
+                   help="simulated compute: each block sleeps this long per micro-batch in "
+                        "forward, twice in backward, so that compute, not this toy model's "
+                        "transfers, sets the bubble; 0 on a GPU running a real model")
 
 
 def parse_args(argv=None):
     p = cli.parser(__doc__)
     cli.add_run_args(p)
-    cli.add_train_args(p, steps=20, batch_size=48, lr=3e-3, grad_accum=False,
+    cli.add_train_args(p, steps=10, batch_size=48, lr=3e-3, grad_accum=False,
                        batch_help="rows per step, shared by the whole pipeline; split into m "
                                   "micro-batches")
     cli.add_output_args(p)
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--schedule", choices=SCHEDULES + ZERO_BUBBLE, default="1f1b",
+                   help="zb1p and zbv (zero bubble): --impl torch")
     p.add_argument("--impl", choices=["manual", "torch"], default="manual",
                    help="manual: send/recv written out here; torch: torch.distributed.pipelining")
     p.add_argument("--microbatches", type=int, default=8, help="m: micro-batches per step")
     p.add_argument("--virtual-stages", type=int, default=0,
-                   help="v: stages per rank (interleaved only; 0 = 2 for interleaved, else 1)")
+                   help="v: stages per rank (interleaved: 0 = 2, or more; zbv: 2; others: 1)")
     add_model_args(p)
     args = p.parse_args(argv)
     cli.check_positive(args, "microbatches", "layers", "hidden", "steps", "batch_size", "lr",

@@ -1,18 +1,19 @@
-"""Measure the pipeline bubble and the activation memory of every schedule of
-pipeline_parallel.py, for a list of micro-batch counts m and pipeline sizes p, beside the formulas
-(p - 1) / (m + p - 1) and, interleaved with v stages per rank, (p - 1) / (v m + p - 1).
+"""Measure the pipeline bubble and the activation memory of the schedules of pipeline_parallel.py,
+for a list of micro-batch counts m and pipeline sizes p, beside the formulas (p - 1) / (m + p - 1)
+and, interleaved with v stages per rank, (p - 1) / (v m + p - 1); zero bubble (--schedules zb1p,zbv)
+(p - 1) / (3 m + p - 1) and (p - 1) / (6 m + p - 1) (pipeline_parallel.bubble_formula).
 
 Launch (from the repository root, with D=05-advanced/b-pipeline-expert-context; about 6 minutes,
-most of it the fixed-cost sleeps):
+most of it the simulated compute's sleeps):
     torchrun --nproc_per_node=4 $D/pipeline_sweep.py --microbatches 1-16 --pipeline-sizes 2,4 \\
         --layer-ms 25 --json-out runs/pp_sweep.json
     python $D/figures/pp_figures.py runs/pp_sweep.json runs/pp_bubble.png   # draw it
 
-For each p, implementation (manual, torch), schedule (gpipe, 1f1b, interleaved with v = 2) and m:
-one untimed warm-up step, then one measured step of pipeline_parallel.py's Pipeline on a batch of
-m micro-batches of 4 rows. A pipeline of p < world ranks runs on ranks 0..p-1 while the others
-wait for it. Combinations the schedule refuses (torch's 1F1B with m < p, for one) are listed as
-skipped, with the reason.
+For each p, implementation (manual, torch), schedule (by default gpipe, 1f1b, interleaved with
+v = 2) and m: one untimed warm-up step, then one measured step of pipeline_parallel.py's Pipeline,
+with the simulated compute time of --layer-ms, on a batch of m micro-batches of 4 rows. A
+pipeline of p < world ranks runs on ranks 0..p-1 while the others wait for it. Combinations the
+schedule refuses (torch's 1F1B with m < p, for one) are listed as skipped, with the reason.
 """
 
 import argparse
@@ -24,8 +25,10 @@ from dtcourse import cli, launch, report
 from dtcourse.data import classification_batch
 from pipeline_parallel import (
     SCHEDULES,
+    ZERO_BUBBLE,
     Pipeline,
     add_model_args,
+    bubble_formula,
     too_few_layers,
     unsupported,
     virtual_stages,
@@ -50,18 +53,18 @@ def measure(args, d, p: int, group, impl: str, schedule: str, m: int):
         pipe.step(x, y, fixed_cost=False)  # warm-up (first-call costs), untimed
         for q in pipe.parameters():
             q.grad = None
-        pipe.step(x, y)
+        pipe.step(x, y, fixed_cost=True)
         mine = pipe.measured()
         mine.pop("events")  # the sweep keeps the numbers; pipeline_parallel.py keeps the timeline
     per_rank = [r for r in report.gather(mine) if r is not None]
     bubble = sum(r["bubble"] for r in per_rank) / p
     return {"p": p, "impl": impl, "schedule": schedule, "m": m, "v": v, "bubble": bubble,
-            "formula": (p - 1) / (v * m + p - 1), "per_rank": per_rank}
+            "formula": bubble_formula(schedule, p, v, m)[0], "per_rank": per_rank}
 
 
 def sweep(args, d):
     configs = [(p, impl, schedule, m) for p in args.pipeline_sizes for impl in ("manual", "torch")
-               for schedule in SCHEDULES for m in args.microbatches]
+               for schedule in args.schedules for m in args.microbatches]
     groups = {}
     rows = []
     bar = report.progress(len(configs), "sweep")
@@ -72,7 +75,7 @@ def sweep(args, d):
         rows.append(r)
         bar.update(1)
         if d.rank == 0 and "skipped" not in r:
-            bar.write(f"{impl:6s} {schedule:11s} p={p} v={r['v']} m={m:2d} | bubble "
+            bar.write(f"{impl:6s} {schedule:11s} p={p} v={r['v']} m={m:2d} | bubble ~"
                       f"{r['bubble']:.3f} measured, {r['formula']:.3f} formula | held "
                       f"{[x['peak_held_microbatches'] for x in r['per_rank']]} | rank 0 "
                       f"activations {r['per_rank'][0]['peak_activation_bytes'] / 1024:.1f} KiB")
@@ -106,6 +109,16 @@ def int_list(text: str) -> list[int]:
     return out
 
 
+def schedule_list(text: str) -> list[str]:
+    """'gpipe,zbv' -> ['gpipe', 'zbv'], each a schedule of pipeline_parallel.py."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in SCHEDULES + ZERO_BUBBLE]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown schedule(s) {','.join(unknown)}: choose among "
+                                         f"{','.join(SCHEDULES + ZERO_BUBBLE)}")
+    return names
+
+
 def parse_args(argv=None):
     p = cli.parser(__doc__)
     cli.add_run_args(p)
@@ -115,6 +128,8 @@ def parse_args(argv=None):
                         f"{ROWS_PER_MICROBATCH} rows)")
     p.add_argument("--pipeline-sizes", type=int_list, metavar="LIST",
                    help="pipeline sizes p, each run on ranks 0..p-1 (default: the world size)")
+    p.add_argument("--schedules", type=schedule_list, default=",".join(SCHEDULES), metavar="LIST",
+                   help=f"schedules to measure, of {','.join(SCHEDULES + ZERO_BUBBLE)}")
     add_model_args(p)
     args = p.parse_args(argv)
     cli.check_positive(args, "layers", "hidden", "timeout_s")

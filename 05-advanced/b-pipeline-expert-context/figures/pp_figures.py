@@ -55,7 +55,7 @@ def draw_sweep(sweep: dict, path: Path):
              f"backward); torch {sweep['torch_version']}, {sweep['device']}, {sweep['backend']}")
     ps = sorted({r["p"] for r in rows})
     fig, axes = plt.subplots(len(ps), 2, figsize=(12, 4.2 * len(ps)), squeeze=False)
-    markers = {"gpipe": "o", "1f1b": "s", "interleaved": "^"}
+    markers = {"gpipe": "o", "1f1b": "s", "interleaved": "^", "zb1p": "D", "zbv": "v"}
     for (ax1, ax2), p in zip(axes, ps):
         mine = [r for r in rows if r["p"] == p]
         grid = [m / 4 for m in range(4, 4 * max(r["m"] for r in mine) + 1)]
