@@ -72,9 +72,11 @@ def train_step(impl: str, args, d, wrapped, opt, step: int) -> torch.Tensor:
     x, y = classification_batch(args.seed, step, d.world_size * args.batch_size)
     rows = rank_rows(d.rank, args.batch_size)
     if impl == "oss":
-        # ShardedDataParallel's own zero_grad: its small grads are views into reduce buckets;
-        # torch's default set_to_none=True would orphan them and the buckets would keep
-        # summing old gradients into the next step (silently wrong weights).
+        # ShardedDataParallel's own zero_grad: the grads that fit its reduce buckets are views
+        # into them, and it zeroes the buckets. torch's set_to_none=True would drop the views:
+        # from step 2 on each .grad would be a fresh tensor that the reduction (of the buckets)
+        # never touches, and each owner would step with its own un-averaged gradient
+        # (silently wrong weights; 02-fsdp/solutions/ex6_oss_zero_grad.py shows it).
         wrapped.zero_grad()
     else:
         opt.zero_grad(set_to_none=True)

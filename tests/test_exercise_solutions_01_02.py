@@ -267,15 +267,63 @@ def test_02_ex5_resumed_at_world_4_equals_an_uninterrupted_world_4_run():
                        load_export(REPO / "runs/02-fsdp/ex5_world4.pt"), lr=lr, steps=20)
 
 
-def test_02_ex6_torchs_zero_grad_leaves_sdps_buckets_summing_old_gradients():
+def test_02_ex6_after_torchs_zero_grad_each_owner_steps_with_its_own_unaveraged_gradient():
     run_documented(README_02, EX6_02, "runs/02-fsdp/ex6_zero_grad.json")
     data = read_json(REPO / "runs/02-fsdp/ex6_zero_grad.json")
     drift = data["max_abs_diff_to_ddp"]
     # the wrapper's own zero_grad: bitwise DDP at every step (world 2: sums of two terms)
     assert all(x == 0 for x in drift["oss wrapped.zero_grad()"])
     wrong = drift["oss opt.zero_grad()"]
-    # step 1 starts from zero gradients either way; from step 2 the buckets add the previous
-    # steps' gradients: AdamW steps of lr-size go the wrong way, far above rounding (0 above)
+    # step 1 is exact either way; from step 2 AdamW steps of lr-size go the wrong way, far above
+    # rounding (0 above)
     assert wrong[0] == 0
     assert 0 < wrong[1] < wrong[-1]
     assert wrong[-1] > data["lr"]
+    # Why, step by step, over the parameters each rank's optimizer steps. Scaling by 1/2 and a
+    # sum of two terms round nothing, and the rank's own gradient is recomputed with the same
+    # kernels: every "equal" below is bitwise, and a real difference is of the gradients' size.
+    right, broken = (data["stepped_with"][name] for name in
+                     ("oss wrapped.zero_grad()", "oss opt.zero_grad()"))
+    for s in right:  # .grad stays in the buckets, and the owner steps with the ranks' mean
+        assert s["bucket_views"] == s["owned"] > 0 and s["max_diff_to_mean"] == 0, s
+    first, later = broken[0], broken[1:]
+    # step 1: the buckets, and with them the views, are built in the first forward, after the
+    # zero_grad call, so that step is the right one
+    assert first["bucket_views"] == first["owned"] and first["max_diff_to_mean"] == 0, first
+    for s in later:
+        # from step 2: set_to_none dropped the views; backward made fresh tensors, outside every
+        # bucket, and nothing reduced them: each owner steps with exactly its own gradient, of
+        # its half of the batch, which is not the mean of the two halves
+        assert s["bucket_views"] == 0 and s["max_diff_to_own"] == 0, s
+        assert s["max_diff_to_mean"] > 1e-4, s
+
+
+def test_02_ex2_root_only_wraps_with_the_lessons_root_options():
+    """--mixed-precision and --cpu-offload reach the root-only unit as they reach the lesson's
+    root: the same fully_shard options (mesh, reshard_after_forward=False, the mixed-precision and
+    offload policies), recorded in-process from both shard_model functions, no process group."""
+    solution = load_script("02-fsdp/solutions/ex2_root_only.py")
+    lesson = solution.transformer  # the fsdp_transformer module the solution loaded
+
+    class Model:  # what shard_model reads of a GPT: its blocks
+        blocks = ["block 0", "block 1"]
+
+    calls = []
+    real = lesson.fully_shard
+    lesson.fully_shard = lambda module, **kw: calls.append((module, kw))
+    try:
+        for argv in ([], ["--mixed-precision", "bf16"], ["--cpu-offload"],
+                     ["--mixed-precision", "bf16", "--cpu-offload"]):
+            args = solution.parse_args(argv)
+            model = Model()
+            calls.clear()
+            solution.per_block_shard_model(model, "full", "mesh", args, torch.device("cpu"))
+            lesson_root = [kw for module, kw in calls if module is model]
+            assert len(calls) == 3 and len(lesson_root) == 1, calls
+            calls.clear()
+            solution.root_only_shard_model(model, "full", "mesh", args, torch.device("cpu"))
+            assert calls == [(model, lesson_root[0])], (argv, calls, lesson_root)
+            assert ("mp_policy" in lesson_root[0]) == ("--mixed-precision" in argv)
+            assert ("offload_policy" in lesson_root[0]) == ("--cpu-offload" in argv)
+    finally:
+        lesson.fully_shard = real

@@ -4,11 +4,14 @@
 
 For each rank, a lane for its main thread: forward, then backward cut into one box per layer (the
 time between two gradients becoming ready), coloured by the bucket the layer's gradient goes into,
-then the optimizer step; a triangle where DDP launches a bucket's all-reduce. Below it, a lane per
-worker thread of the backend: each bucket's all-reduce as it ran there, in the same colour. The
-dotted line is the moment the rank's last gradient was ready: an all-reduce that starts left of it
-overlapped backward. The profiler's clock is the same for every process of the machine, so the
-ranks line up.
+then the optimizer step; a triangle where DDP's call that launches a bucket's all-reduce begins,
+and a bar in its colour along the bottom of the lane for as long as that call lasts. A box is
+hatched when the main thread did not run for more than half of it (the box's length minus the CPU
+time that ddp_overlap.py reads from the thread's clock); its label then says for how long. Below,
+a lane per worker thread of the backend: each bucket's all-reduce as it ran there, in the same
+colour. The dotted line is the moment the rank's last gradient was ready: an all-reduce that
+starts left of it overlapped backward. The profiler's clock is the same for every process of the
+machine, so the ranks line up.
 """
 
 import json
@@ -37,19 +40,27 @@ def draw(t: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(12, 0.75 * len(lanes) + 1.8))
     end = max(r["optimizer_step"]["end_ms"] for r in t["ranks"])
 
-    def box(y, span, color, label="", **kw):
+    def box(y, span, color, *labels, **kw):
+        """A box from span's start to its end; inside it the first label that fits, if any."""
         ax.barh(y, span["end_ms"] - span["start_ms"], left=span["start_ms"], height=0.62,
                 color=color, edgecolor="black", linewidth=0.5, **kw)
-        if label and span["end_ms"] - span["start_ms"] > 0.012 * end * len(label) / 4:
-            ax.text((span["start_ms"] + span["end_ms"]) / 2, y, label, ha="center",
-                    va="center", fontsize=6.5)
+        fits = [x for x in labels if span["end_ms"] - span["start_ms"] > 0.0135 * end * len(x) / 4]
+        if fits:  # on a hatched box, on a white patch so that it stays legible
+            ax.text((span["start_ms"] + span["end_ms"]) / 2, y, fits[0], ha="center",
+                    va="center", fontsize=6.5, bbox={"facecolor": "white", "edgecolor": "none",
+                                                     "pad": 0.6} if "hatch" in kw else None)
 
     for r in t["ranks"]:
         y0 = first_lane[r["rank"]]
         box(y0, r["forward"], "lightgray", "forward")
         for g in r["gradients"]:
-            box(y0, g, colors[bucket_of[g["name"]]], g["name"].removeprefix("layers."),
-                alpha=0.5)
+            layer, wall = g["name"].removeprefix("layers."), g["end_ms"] - g["start_ms"]
+            idle = wall - g.get("cpu_ms", wall)  # no clocks in a JSON of an older ddp_overlap.py
+            if idle > 0.5 * wall:
+                box(y0, g, colors[bucket_of[g["name"]]], f"{layer}: {idle:.1f} ms not running",
+                    f"{layer}: {idle:.1f} ms", layer, alpha=0.5, hatch="///")
+            else:
+                box(y0, g, colors[bucket_of[g["name"]]], layer, alpha=0.5)
         box(y0, r["optimizer_step"], "lightgray")
         last = max(g["ready_ms"] for g in r["gradients"])
         ax.plot([last, last], [y0 - 0.45, y0 + r["worker_threads"] + 0.45], color="black",
@@ -60,6 +71,10 @@ def draw(t: dict, path: Path) -> None:
             if b["launch"]:
                 ax.plot([b["launch"]["start_ms"]], [y0 - 0.36], marker="v", markersize=7,
                         color=colors[b["index"]], markeredgecolor="black", markeredgewidth=0.5)
+                # the launch call itself, on the main thread: from the triangle to its return
+                ax.barh(y0 + 0.24, max(b["launch"]["end_ms"] - b["launch"]["start_ms"],
+                                       0.002 * end), left=b["launch"]["start_ms"], height=0.14,
+                        color=colors[b["index"]], edgecolor="black", linewidth=0.5)
             if b["all_reduce"]:
                 y = y0 + 1 + b["all_reduce"]["thread"]
                 box(y, b["all_reduce"], colors[b["index"]],
@@ -78,9 +93,10 @@ def draw(t: dict, path: Path) -> None:
                  f"batch {t['batch_size']} per rank, bucket_cap_mb {t['bucket_cap_mb']:g} -> "
                  f"{len(layout)} buckets; {t['machine']}, {t['backend']}, torch "
                  f"{t['torch_version']}\nfrom torch.profiler. Main thread: backward, one box per "
-                 "layer (number = layer, colour = its bucket); triangle: DDP launches the bucket's "
-                 "all-reduce;\ndotted line: last gradient ready; thick line: backward() returns, "
-                 "after waiting for every bucket", fontsize=8.5)
+                 "layer (number = layer, colour = its bucket); triangle + bar at its foot: DDP's "
+                 "call launching a bucket's all-reduce;\nhatched: the main thread did not run for "
+                 "over half of the box; dotted line: last gradient ready; thick line: backward() "
+                 "returns, after waiting for every bucket", fontsize=8.5)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -1,9 +1,9 @@
 """Exercise 1 of lesson 01: what `train_sampler.set_epoch(epoch)` changes in ddp_mnist.py.
 
 Launch (from the repository root):
-    torchrun --nproc_per_node=2 01-ddp-basics/solutions/ex1_no_set_epoch.py
-    python 01-ddp-basics/solutions/ex1_no_set_epoch.py --batch-size 64 \\
+    torchrun --nproc_per_node=2 01-ddp-basics/solutions/ex1_no_set_epoch.py \\
         --json-out runs/01-ddp-basics/ex1_set_epoch.json
+    python 01-ddp-basics/solutions/ex1_no_set_epoch.py --batch-size 64   # one process, global batch 64
 
 ddp_mnist.py calls set_epoch(epoch) on its DistributedSampler before every epoch. This script
 trains the lesson's ConvNet twice in one launch, from the same weights, with the lesson's own

@@ -23,9 +23,14 @@ phases with record_function (torch/distributed/fsdp/_fully_shard/_fsdp_param_gro
 
 (the root's names carry no module: `FSDP::pre_forward`), and for the collectives themselves:
 `c10d::_allgather_base_` / `c10d::_reduce_scatter_base_` / `c10d::allreduce_` where the main
-thread issues them, and the backend's event where they run (gloo: a worker thread's
-`gloo:all_gather`, and `gloo:all_reduce` for a reduce-scatter, which gloo carries out as an
-all-reduce of the whole tensor; NCCL: the kernels on the GPU's timeline).
+thread issues them, and gloo's event where a worker thread runs them (`gloo:all_gather`, and
+`gloo:all_reduce` for a reduce-scatter, which gloo carries out as an all-reduce of the whole
+tensor).
+
+CPU runs only (--device cuda is refused): on a GPU the main thread's boxes would be the times at
+which the CPU queued each unit's kernels, not when the GPU ran them, and the NCCL kernels, on
+FSDP2's separate all-gather and reduce-scatter streams, could not be matched to their calls by
+order as gloo's single work queue allows; read a GPU run in the profiler's own trace instead.
 """
 
 import contextlib
@@ -61,8 +66,6 @@ def run(args, d) -> dict | None:
                             str(args.seed), "--batch-size", str(args.batch_size)])
     model, mesh, optimizer = ft.build(lesson, "full", d)
     rows = rank_rows(d.rank, lesson.batch_size)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.device.type == "cuda"
-                                           else [])
     for step in range(args.steps):
         x, y = token_batch(lesson.seed, step, d.world_size * lesson.batch_size, lesson.seq_len,
                            lesson.vocab)
@@ -72,7 +75,7 @@ def run(args, d) -> dict | None:
             continue
         ft.synchronize(d.device)
         dist.barrier()  # both ranks start the profiled step together
-        with profile(activities=activities, record_shapes=True) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             ft.train_step(lesson, d, model, mesh, optimizer, x, y, contextlib.nullcontext())
             ft.synchronize(d.device)
     with trace_file(args.trace_out if d.rank == 0 else None) as path:
@@ -83,7 +86,7 @@ def run(args, d) -> dict | None:
         return None
     t0 = min(r["t0_us"] for r in every)
     return {"script": SCRIPT, "world_size": d.world_size, "device": d.device.type,
-            "backend": d.backend, "torch_version": torch.__version__, "machine": machine(d),
+            "backend": d.backend, "torch_version": torch.__version__, "machine": machine(),
             "layers": lesson.layers, "dim": lesson.dim, "seq_len": lesson.seq_len,
             "vocab": lesson.vocab, "batch_size": lesson.batch_size, "strategy": "full",
             "units": ["root"] + [f"blocks.{i}" for i in range(lesson.layers)],
@@ -124,10 +127,7 @@ def rank_events(events: list[dict], d) -> dict:
             phases.append(("backward_prefetch", e["name"].rsplit(" ", 1)[1], span(e)))
     launches = [(LAUNCHES[e["name"]], span(e), input_elements(e)) for e in events
                 if e["tid"] == main and e["name"] in LAUNCHES]
-    if d.device.type == "cuda":  # NCCL kernels on the GPU's timeline
-        runs = [e for e in events if e.get("cat") == "kernel" and "nccl" in e["name"].lower()]
-    else:  # gloo's worker threads
-        runs = [e for e in events if e["name"].startswith(f"{d.backend}:")]
+    runs = [e for e in events if e["name"].startswith(f"{d.backend}:")]  # gloo's worker threads
     # Autograd's first node after the root's post_forward: backward has begun.
     post_forward_root = max(s[1] for p, u, s in phases if p == "post_forward" and u == "root")
     backward = next(e["ts"] for e in events if e["tid"] == main and e["ts"] > post_forward_root
@@ -208,10 +208,8 @@ def input_elements(event: dict) -> int | None:
     return max(sizes) if sizes else None
 
 
-def machine(d) -> str:
-    """'2-core AMD EPYC', or the GPU's name: for the figure's title."""
-    if d.device.type == "cuda":
-        return torch.cuda.get_device_name(d.device)
+def machine() -> str:
+    """'2-core AMD EPYC ...', for the figure's title."""
     name = "CPU"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -238,6 +236,7 @@ def print_summary(t: dict) -> None:
 def parse_args(argv=None):
     p = cli.parser(__doc__)
     cli.add_run_args(p)
+    p.set_defaults(device="cpu")  # a picture of gloo's threads: see the docstring
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is profiled")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (FSDP units)")
     p.add_argument("--batch-size", type=int, default=32,
@@ -251,6 +250,10 @@ def parse_args(argv=None):
     if args.steps < 2:
         cli.fail(f"--steps must be at least 2 (the first step pays FSDP's lazy initialisation; "
                  f"the last is profiled), got {args.steps}")
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        cli.fail("--device cuda: this picture is drawn from CPU runs only (gloo's worker "
+                 "threads; on a GPU the main thread's boxes would be kernel launches, not GPU "
+                 "compute): run it with --device cpu")
     return args
 
 

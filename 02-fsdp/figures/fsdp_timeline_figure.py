@@ -5,7 +5,7 @@
 For each rank, three lanes. The main thread: forward and backward compute of each unit (root,
 blocks.0, ...), coloured by unit, with the time FSDP spends inside its own all-gather and
 reduce-scatter calls hatched over it, and a triangle where backward prefetches the next unit's
-all-gather. Then where the collectives ran (the backend's worker threads, or the GPU): the
+all-gather. Then where the collectives ran (gloo's worker threads; CPU runs only): the
 all-gathers on one lane, the reduce-scatters and the gradient norm's all-reduce on the other, each
 box in its unit's colour, joined by a grey line to the moment the main thread issued it.
 """

@@ -30,8 +30,15 @@ per_block_shard_model = transformer.shard_model
 
 
 def root_only_shard_model(model, strategy, mesh, args, device) -> None:
-    """The lesson's shard_model without the loop over the blocks: one unit, the whole model."""
+    """The lesson's shard_model without the loop over the blocks: one unit, the whole model, with
+    the options the lesson gives its root (kept after forward; --mixed-precision and
+    --cpu-offload as in the lesson)."""
     kw = {"mesh": mesh, "reshard_after_forward": False}
+    if args.mixed_precision == "bf16":
+        kw["mp_policy"] = transformer.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                           reduce_dtype=torch.float32)
+    if args.cpu_offload:
+        kw["offload_policy"] = transformer.CPUOffloadPolicy(pin_memory=device.type == "cuda")
     transformer.fully_shard(model, **kw)
 
 
