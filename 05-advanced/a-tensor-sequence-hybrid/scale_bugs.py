@@ -1,19 +1,26 @@
-"""Bugs that only appear at scale: three computations that are right on one GPU and quietly wrong
-once the model is split, each shown wrong, then right, beside what one process computes.
+"""Two bugs that only appear at scale, and one memory technique that scale makes necessary.
+
+The two bugs are computations that are right on one GPU and quietly wrong once the model is split;
+each is shown wrong, then right, beside what one process computes.
 
 1. The gradient norm for clipping. clip_grad_norm_ on the tensors one rank holds gives the norm of
    its shards, its stage or its TP slices, and every rank clips by a different factor. The global
    norm adds the squares of every element exactly once: TP slices summed over the TP group, the
    tensors TP replicates (LayerNorms, embeddings, the head, row-parallel biases) counted once and
-   not t times, stages summed over the pipeline, FSDP shards over the shard group.
+   not t times, stages summed over the pipeline, FSDP shards over the shard group. With DTensor,
+   clip_grad_norm_ is right as is once every parameter lives on one mesh.
 2. Cross-entropy over a vocabulary split across the TP ranks (Megatron's vocab-parallel LM head).
    The softmax of one rank's slice is not the softmax; gathering the logits (b*s*V numbers) is
    what the split was meant to avoid. Three all-reduces of one number per token are enough: the
    max, the sum of exponentials, and the target's logit; backward is softmax - onehot, locally.
-3. Selective activation recomputation (Korthikanti et al. 2022): the attention core,
-   softmax(QK^T)V, holds b*heads*s*s numbers for backward but costs few FLOPs; recomputing only it
-   saves most of what full recomputation saves, for a fraction of the extra compute. Saved bytes
-   and FLOPs are measured (saved_tensors_hooks, FlopCounterMode) and compared with formulas.
+
+3 is no bug: activation recomputation (Korthikanti et al. 2022), a trade of memory for FLOPs that
+runs on one process (rank 0), splits nothing and gives bitwise the same gradients in every mode.
+Selective recomputation recomputes only the attention core, softmax(QK^T)V, which holds
+b*heads*s*s numbers for backward but costs few FLOPs. What share of full recomputation's saving
+that is depends on a*s/h: about a third at this lesson's small model, most of it at GPT-3's shape.
+Saved bytes and FLOPs are measured (saved_tensors_hooks, FlopCounterMode) and compared with
+formulas.
 
 Launch (from the repository root):
     python 05-advanced/a-tensor-sequence-hybrid/scale_bugs.py                 # 1 process: no bug
@@ -22,9 +29,12 @@ Launch (from the repository root):
                             # the 2-D layouts pp 2 x tp 2 and fsdp 2 x tp 2 (by hand, and DTensor)
 
 Every rank also computes the dense model of one process on the same batch: that is the reference
-each wrong and right value is printed beside (3 is one process's computation: rank 0 measures
-it). The tensor-parallel layers are the hand-written ones of tensor_parallel.py; set-up, printing
-and the collective counter come from the shared module dtcourse.
+each wrong and right value is printed beside. The tensor-parallel layers are the hand-written ones
+of tensor_parallel.py; set-up, printing and the collective counter come from the shared module
+dtcourse. With --json-out PATH, rank 0 writes the numbers as JSON there and, beside it (PATH with
+the suffix .pt), the tensors they were computed from: every rank's clipped gradients in each
+layout, every rank's cross-entropy gradients, and the recomputation modes' gradients, so that they
+can be compared with one process outside this script.
 """
 
 from __future__ import annotations
@@ -223,9 +233,20 @@ def one_process_clip(args, d, x, y):
     return norm.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def clip_layout(args, d, layout, x, y, reference: dict) -> dict:
+def every_rank(prefix: str, named: dict) -> dict:
+    """Every rank's tensors `named`, copied to the CPU and gathered (all_gather_object: pickled,
+    a lesson-sized model), under f"{prefix}/rank{r}/{name}": for the tensor file of --json-out."""
+    out = {}
+    mine = {k: v.detach().cpu().clone() for k, v in named.items()}  # clone: not a view of a
+    for r, theirs in enumerate(report.gather(mine)):                # larger buffer (FSDP2's)
+        out.update({f"{prefix}/rank{r}/{k}": v for k, v in theirs.items()})
+    return out
+
+
+def clip_layout(args, d, layout, x, y, reference: dict, tensors: dict) -> dict:
     """One layout: its gradients, the wrong norms and the right one, and how far the gradients
-    clipped by each are from the one-process clipped gradients."""
+    clipped by each are from the one-process clipped gradients. Every rank's gradients clipped by
+    the right norm (and by FSDP2's clip_grad_norm_) go into `tensors`, with its mesh coordinate."""
     pp, dp, tp = layout
     mesh, model, split = build_layout(args, d, pp, dp, tp)
     rows = rank_rows(mesh.get_local_rank("dp"), x.shape[0] // dp)  # FSDP: data parallel
@@ -234,12 +255,15 @@ def clip_layout(args, d, layout, x, y, reference: dict) -> dict:
 
     own = own_norm(pieces, mesh)
     right = global_norm(pieces, mesh)
-    out = {"layout": layout_name(pp, dp, tp), "pp": pp, "dp": dp, "tp": tp,
+    right_factor = clip_factor(right, args.max_norm)
+    name = layout_name(pp, dp, tp)
+    out = {"layout": name, "pp": pp, "dp": dp, "tp": tp,
            "own_norm_per_rank": report.gather(own.item()), "right_norm": right.item(),
            "own_clipped_error": clipped_error(pieces, clip_factor(own, args.max_norm),
                                               reference, mesh),
-           "right_clipped_error": clipped_error(pieces, clip_factor(right, args.max_norm),
-                                                reference, mesh)}
+           "right_clipped_error": clipped_error(pieces, right_factor, reference, mesh)}
+    mine = {"coord": torch.tensor(mesh.get_coordinate())}       # (pp, dp, tp) index of this rank
+    mine |= {f"right/{n}": g * right_factor for n, g, _ in pieces}
     if tp > 1:
         every = every_square_summed(pieces, mesh)
         out["every_square_norm"] = every.item()
@@ -250,54 +274,96 @@ def clip_layout(args, d, layout, x, y, reference: dict) -> dict:
         # mesh, the dp ranks. It knows nothing of a TP group built by hand (dp x tp below).
         from torch.distributed.tensor import DTensor
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
-        out["fsdp2_clip_grad_norm"] = (norm.full_tensor() if isinstance(norm, DTensor)
-                                       else norm).item()
-        out["fsdp2_clipped_error"] = clipped_error(held_gradients(model, split), 1.0,
-                                                   reference, mesh)
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        out["fsdp2_clip_grad_norm"] = norm
+        out["fsdp2_clip_grad_norm_per_rank"] = report.gather(norm)
+        clipped = held_gradients(model, split)                  # clipped in place just now
+        out["fsdp2_clipped_error"] = clipped_error(clipped, 1.0, reference, mesh)
+        mine |= {f"fsdp2/{n}": g for n, g, _ in clipped}
+    tensors.update(every_rank(f"clip/{name}", mine))
     return out
 
 
-def clip_dtensor_layout(args, d, x, y, reference: dict) -> dict:
-    """fsdp 2 x tp 2 the DTensor way (hybrid_parallelism.py's apply_tp, then apply_fsdp): the
-    block matrices become DTensors on the 2-D (dp, tp) mesh; the embeddings, norms and head, which
-    TP leaves whole, on the 1-D dp mesh. DTensor reduces a norm over its own mesh, so each mesh's
-    norm is right by itself, but clip_grad_norm_ stacks every tensor's norm into one DTensor, and
-    one DTensor has one mesh."""
+def replicate_on_tp(model: nn.Module, tp_mesh) -> None:
+    """Every parameter that apply_tp leaves whole (embeddings, LayerNorms, head) becomes a
+    Replicate DTensor on the tp mesh, so that FSDP2 then puts every parameter on one 2-D (dp, tp)
+    mesh. torchtitan's plans reach the same state another way: their norms are SequenceParallel
+    (Replicate parameters) and their embedding and head are split. Inputs enter these modules as
+    Replicate DTensors and leave as plain tensors: the activations between modules do not change,
+    and no collective is added (every tp rank already computes the same values)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+
+    def params(_, module, mesh):
+        for pname, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, mesh,
+                                                                            [Replicate()])))
+
+    def inputs(_, args, mesh):
+        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                     if isinstance(a, torch.Tensor) else a for a in args)
+
+    def outputs(_, out, mesh):
+        return out.to_local()
+
+    whole = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.LayerNorm))]
+    for module in whole + [model.head]:
+        distribute_module(module, tp_mesh, params, input_fn=inputs, output_fn=outputs)
+
+
+def clip_dtensor_layout(args, d, x, y, reference: dict, tensors: dict,
+                        one_mesh: bool) -> dict:
+    """fsdp 2 x tp 2 the DTensor way (hybrid_parallelism.py's apply_tp, then apply_fsdp).
+    As apply_tp leaves it (one_mesh False): the block matrices become DTensors on the 2-D (dp, tp)
+    mesh; the embeddings, norms and head, which TP leaves whole, plain tensors that FSDP2 puts on
+    the 1-D dp mesh. DTensor reduces a norm over its own mesh, so each mesh's norm is right by
+    itself, but clip_grad_norm_ stacks every tensor's norm into one DTensor, and one DTensor has
+    one mesh. With one_mesh, replicate_on_tp first: every parameter on the (dp, tp) mesh, and
+    clip_grad_norm_ as it is."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
     mesh = init_device_mesh(d.device.type, (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     with torch.device("meta"):
         whole = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers)
     model = hybrid_lesson.Stage(whole, 0, 1).to_empty(device=d.device)  # names as GPT's
     init_gpt(model, args.seed, layers=args.layers)
     hybrid_lesson.apply_tp(model, mesh["tp"])
+    if one_mesh:
+        replicate_on_tp(model, mesh["tp"])
     hybrid_lesson.apply_fsdp(model, mesh["dp"], reshard_after_forward=True)
     rows = rank_rows(mesh.get_local_rank("dp"), x.shape[0] // 2)
     loss_of(model(x[rows]), y[rows]).backward()
+    meshes = len({p.grad.device_mesh for p in model.parameters()})
+    library = error = None
     try:
-        # torch 2.14 raises while stacking the norms, before any gradient has changed; a version
-        # that does not raise has clipped the gradients, and the check below would catch it.
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
-        library = None
+        # torch 2.14 raises with two meshes, while stacking the norms, before any gradient has
+        # changed; a version that does not raise has clipped them, and the check below sees it.
+        library = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+        library = (library.full_tensor() if isinstance(library, DTensor) else library).item()
     except RuntimeError as exc:
-        library = str(exc).split(", but got")[0].splitlines()[0]
-    # RIGHT: one total norm per mesh, each reduced over its own ranks (a tensor that TP replicates
-    # sits on the dp mesh only, so it is counted once), then their squares added.
-    by_mesh = {}
-    for p in model.parameters():
-        by_mesh.setdefault(p.grad.device_mesh, []).append(p)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
-             for params in by_mesh.values()]
-    right = torch.stack(norms).square().sum().sqrt()
-    for params in by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(params, args.max_norm, right)
-    err = max((p.grad.full_tensor() - reference[name]).abs().max().item()
-              for name, p in model.named_parameters())
-    return {"layout": "fsdp 2 x tp 2, DTensor", "pp": 1, "dp": 2, "tp": 2,
-            "clip_grad_norm_error": library, "meshes": len(by_mesh),
-            "right_norm": right.item(), "right_clipped_error": err}
+        error = str(exc).split(", but got")[0].splitlines()[0]
+    if error is not None:
+        # RIGHT: one total norm per mesh, each reduced over its own ranks (a tensor that TP
+        # replicates sits on the dp mesh only, so it is counted once), then their squares added.
+        by_mesh = {}
+        for p in model.parameters():
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+        norms = [torch.nn.utils.get_total_norm([p.grad for p in params]).full_tensor()
+                 for params in by_mesh.values()]
+        right = torch.stack(norms).square().sum().sqrt()
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, args.max_norm, right)
+    name = "fsdp 2 x tp 2, DTensor" + (", one mesh" if one_mesh else "")
+    full = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # all-gathers
+    if d.is_main:
+        tensors.update({f"clip/{name}/full/{n}": g for n, g in full.items()})
+    return {"layout": name, "pp": 1, "dp": 2, "tp": 2, "meshes": meshes,
+            "clip_grad_norm": library, "clip_grad_norm_error": error,
+            "right_norm": library if error is None else right.item(),
+            "right_clipped_error": max((g - reference[n]).abs().max().item()
+                                       for n, g in full.items())}
 
 
-def clip_demo(args, d) -> dict:
+def clip_demo(args, d, tensors: dict) -> dict:
     """Bug 1 on every layout of this world size, printed beside the one-process norm."""
     x, y = (t.to(d.device) for t in token_batch(args.seed, 0, args.batch_size, args.seq_len,
                                                  args.vocab))
@@ -309,7 +375,7 @@ def clip_demo(args, d) -> dict:
     p0(f"  one process: clip_grad_norm_ = {ref_norm:.6f}")
     results = []
     for layout in layouts(d.world_size):
-        r = clip_layout(args, d, layout, x, y, reference)
+        r = clip_layout(args, d, layout, x, y, reference, tensors)
         results.append(r)
         what = " (hand-written TP layers)" if r["tp"] > 1 else ""
         p0(f"  {r['layout']}{what}")
@@ -327,20 +393,30 @@ def clip_demo(args, d) -> dict:
                    f"{r['fsdp2_clip_grad_norm']:.6f} (right)")
                 errors.append(f"FSDP2 clip_grad_norm_ ~{r['fsdp2_clipped_error']:.1e}")
             else:
+                ranks = ", ".join(f"{v:.6f}" for v in r["fsdp2_clip_grad_norm_per_rank"])
                 p0(f"    wrong: {r['fsdp2_clip_grad_norm']:.6f} (clip_grad_norm_ on FSDP2's "
-                   f"DTensor gradients: reduced over dp, blind to the hand-made TP group)")
+                   f"DTensor gradients, rank 0; ranks: {ranks}): reduced over dp, blind to the "
+                   f"hand-made TP group")
                 errors.append(f"FSDP2 clip_grad_norm_ {r['fsdp2_clipped_error']:.2e}")
         errors.append(f"right ~{r['right_clipped_error']:.1e}")
         p0(f"    max |clipped gradient - one process|: {', '.join(errors)}")
     if d.world_size == 4:
-        r = clip_dtensor_layout(args, d, x, y, reference)
-        results.append(r)
-        p0(f"  {r['layout']} (hybrid_parallelism.py's apply_tp, apply_fsdp)")
-        p0(f"    wrong: clip_grad_norm_ raises RuntimeError: {r['clip_grad_norm_error']}"
-           if r["clip_grad_norm_error"] else "    clip_grad_norm_ ran without an error")
-        p0(f"    right: {r['right_norm']:.6f} (one norm per mesh, {r['meshes']} meshes, squares "
-           f"added), one process: {ref_norm:.6f}")
-        p0(f"    max |clipped gradient - one process|: right ~{r['right_clipped_error']:.1e}")
+        for one_mesh in (False, True):
+            r = clip_dtensor_layout(args, d, x, y, reference, tensors, one_mesh)
+            results.append(r)
+            if one_mesh:
+                p0(f"  {r['layout']} (apply_tp, then every parameter TP leaves whole made a "
+                   f"Replicate DTensor on the tp mesh, then apply_fsdp)")
+            else:
+                p0(f"  {r['layout']} (hybrid_parallelism.py's apply_tp, apply_fsdp)")
+            if r["clip_grad_norm_error"]:
+                p0(f"    wrong: clip_grad_norm_ raises RuntimeError: {r['clip_grad_norm_error']}")
+                p0(f"    right: {r['right_norm']:.6f} (one norm per mesh, {r['meshes']} meshes, "
+                   f"squares added), one process: {ref_norm:.6f}")
+            else:
+                p0(f"    right: {r['clip_grad_norm']:.6f} (clip_grad_norm_ as it is: parameters "
+                   f"on {r['meshes']} mesh), one process: {ref_norm:.6f}")
+            p0(f"    max |clipped gradient - one process|: right ~{r['right_clipped_error']:.1e}")
     return {"one_process_norm": ref_norm, "max_norm": args.max_norm, "layouts": results}
 
 
@@ -435,17 +511,20 @@ def head_loss(hidden, weight, target, loss_fn, group, comm=None, name=""):
     return loss.detach(), hidden.grad, weight.grad, logits.grad
 
 
-def vocab_demo(args, d) -> dict:
+def vocab_demo(args, d, tensors: dict) -> dict:
     """Bug 2 over a TP group of all ranks: wrong, right and gathered, against one process, and the
-    bytes of each counted by the CollectiveCounter."""
+    bytes of each counted by the CollectiveCounter. Every rank's loss and gradients of each go into
+    `tensors`."""
     group, t, i = dist.group.WORLD, d.world_size, d.rank
     hidden, weight, target = vocab_inputs(args, d.device)
     mine = weight.chunk(t, dim=0)[i]                         # rows i V/t .. (i+1) V/t - 1
     ref = head_loss(hidden, weight, target, F.cross_entropy, None)   # one process, dense
 
-    def compare(run) -> dict:
+    def compare(run, kind: str) -> dict:
         """The loss and gradients of a split run, each beside the one process's slice."""
         loss, dh, dw, dz = run
+        tensors.update(every_rank(f"vocab_ce/{kind}", {"loss": loss, "logits": dz, "weight": dw,
+                                                       "hidden": dh}))
         want = (ref[3].chunk(t, dim=-1)[i], ref[2].chunk(t, dim=0)[i], ref[1])
         err = torch.stack([(a - b).abs().max() for a, b in zip((dz, dw, dh), want)])
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
@@ -453,7 +532,8 @@ def vocab_demo(args, d) -> dict:
                                                             err.tolist()))}
 
     wrong = compare(head_loss(hidden, mine, target,
-                              lambda z, y: own_slice_cross_entropy(z, y, group).mean(), group))
+                              lambda z, y: own_slice_cross_entropy(z, y, group).mean(), group),
+                    "wrong")
     comm = CollectiveCounter()
     with comm:
         right = head_loss(hidden, mine, target,
@@ -462,7 +542,7 @@ def vocab_demo(args, d) -> dict:
         gathered = head_loss(hidden, mine, target,
                              lambda z, y: F.cross_entropy(GatherVocab.apply(z, group), y), group,
                              comm, "gathered")
-    right, gathered = compare(right), compare(gathered)
+    right, gathered = compare(right, "right"), compare(gathered, "gathered")
 
     def sent(phase):
         records = [r for r in comm.records if r["phase"] == phase]
@@ -481,7 +561,8 @@ def vocab_demo(args, d) -> dict:
     for what, name in (("logits", "logits"), ("weight", "head weight"), ("hidden", "hidden")):
         report.print0(f"  max |d {name:<11} - one process|  wrong: "
                       f"{wrong['grad_error'][what]:.2e}, right: ~{right['grad_error'][what]:.1e}")
-    report.print0("  bytes each rank sends (fp32, ring algorithms):")
+    report.print0("  bytes each rank sends, counted (calls x tensor size x ring algorithm's share, "
+                  "fp32):")
     vp, ga = measured["vocab-parallel/forward"], measured["gathered/forward"]
     report.print0(f"    loss, vocab-parallel:  {vp[0]} all-reduces of (b*s,) {vp[1]:>8} B | "
                   f"formula 3 x 2(t-1)/t*b*s*4 = {formula['vocab-parallel/forward']:.0f} B")
@@ -577,7 +658,7 @@ def recompute_run(args, mode: str, device) -> dict:
             out = layers(x)
         forward_flops = flops.get_total_flops()
         out.backward(grad_out)  # no loss op: nothing else is saved
-    grads = [x.grad] + [p.grad for p in layers.parameters()]
+    grads = {"input": x.grad} | {n: p.grad for n, p in layers.named_parameters()}
     return {"saved_bytes": sum(kept.values()), "forward_flops": forward_flops,
             "step_flops": flops.get_total_flops(), "grads": grads}
 
@@ -608,18 +689,21 @@ def recompute_formulas(args) -> dict:
     }
 
 
-def recompute_demo(args, d) -> dict | None:
-    """Rank 0 measures (one process's computation: nothing here is split)."""
+def recompute_demo(args, d, tensors: dict) -> dict | None:
+    """Rank 0 measures (one process's computation: nothing here is split); each mode's
+    gradients go into `tensors`."""
     if not d.is_main:
         return None
     runs = {mode: recompute_run(args, mode, d.device) for mode in MODES}
     formula = recompute_formulas(args)
-    same = {mode: all(torch.equal(a, b) for a, b in zip(runs[mode]["grads"], runs["none"]["grads"]))
-            for mode in runs}
-    b, s, h, a = args.batch_size, args.seq_len, args.dim, args.heads
     base = runs["none"]
-    print(f"3. Activation recomputation | {args.layers} layers, b {b}, s {s}, h {h}, {a} heads, "
-          f"fp32, no dropout")
+    same = {mode: all(torch.equal(g, base["grads"][n]) for n, g in r["grads"].items())
+            for mode, r in runs.items()}
+    for mode, r in runs.items():
+        tensors.update({f"recompute/{mode}/{n}": g for n, g in r["grads"].items()})
+    b, s, h, a = args.batch_size, args.seq_len, args.dim, args.heads
+    print(f"3. Activation recomputation (no bug: memory for FLOPs, one process) | {args.layers} "
+          f"layers, b {b}, s {s}, h {h}, {a} heads, fp32, no dropout")
     print(f"  {'recompute':<20} {'saved for backward':>19} {'formula':>10} {'of none':>8} | "
           f"{'FLOPs fwd+bwd':>13} {'formula':>11} {'recomputed':>10} | gradients = none")
     for mode, r in runs.items():
@@ -628,6 +712,10 @@ def recompute_demo(args, d) -> dict | None:
               f"{r['saved_bytes'] / base['saved_bytes']:>8.3f} | {r['step_flops']:>13} "
               f"{formula['step_flops'][mode]:>11} {extra:>+9.3f}F | "
               f"{'bitwise' if same[mode] else 'NOT bitwise'}")
+    saves = {mode: base["saved_bytes"] - runs[mode]["saved_bytes"] for mode in MODES}
+    print(f"  selective saves {saves['selective']} B, full {saves['full']} B: "
+          f"{saves['selective'] / saves['full']:.3f} of full's saving at this as/h = "
+          f"{a * s / h:g}")
     print(f"  F = one forward, {base['forward_flops']} FLOPs = formula L(24bsh^2 + 4bs^2h) = "
           f"{formula['forward_flops']}")
     print(f"  per layer: the paper's sbh(34 + 5as/h) (16-bit, dropout) = "
@@ -644,28 +732,32 @@ def recompute_demo(args, d) -> dict | None:
 def run(args, d) -> None:
     results = {"script": SCRIPT, "world_size": d.world_size, "device": str(d.device),
                "torch_version": torch.__version__}
+    tensors = {}  # name -> tensor, the values behind the printed errors
     if args.bug in ("clip", "all"):
-        results["clip"] = clip_demo(args, d)
+        results["clip"] = clip_demo(args, d, tensors)
     if args.bug in ("vocab-ce", "all"):
-        results["vocab_ce"] = vocab_demo(args, d)
+        results["vocab_ce"] = vocab_demo(args, d, tensors)
     if args.bug in ("recompute", "all"):
-        results["recompute"] = recompute_demo(args, d)
+        results["recompute"] = recompute_demo(args, d, tensors)
     if d.is_main and args.json_out:
         report.write_json(args.json_out, results)
-    dist.barrier()  # the file is complete before any rank exits
+        report.save_state_dict(args.json_out.with_suffix(".pt"), tensors)
+    dist.barrier()  # the files are complete before any rank exits
 
 
 def parse_args(argv=None):
     p = cli.parser(__doc__)
     p.add_argument("--bug", choices=["clip", "vocab-ce", "recompute", "all"], default="all",
                    help="which to show: the clipping norm, vocab-parallel cross-entropy, "
-                        "activation recomputation, or all three")
+                        "activation recomputation (not a bug: a memory technique), or all three")
     p.add_argument("--max-norm", type=float, default=0.5, help="clip_grad_norm_'s max_norm")
     p.add_argument("--batch-size", type=int, default=4,
                    help="sequences of the step, the one process's batch (FSDP ranks take equal "
                         "shares; TP and PP ranks all see it)")
     cli.add_run_args(p)
-    cli.add_output_args(p, metrics=False, export=False, json_out=True)
+    p.add_argument("--json-out", type=Path,
+                   help="rank 0 writes the results as JSON here, and beside it (the same path "
+                        "with the suffix .pt, torch.save) the tensors they were computed from")
     cli.add_gpt_args(p, layers=2, dim=64, heads=8, seq_len=64, vocab=256)
     args = p.parse_args(argv)
     cli.check_positive(args, "max_norm", "batch_size", "timeout_s")
