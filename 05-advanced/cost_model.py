@@ -12,28 +12,33 @@ Launch (from the repository root; plain arithmetic: no torch, no GPU, under a se
 
 A flag that names part of a layout (--tp --cp --pp --virtual-stages --dp --sharding --batch-size
 --activation-checkpointing) restricts the search to layouts with that value, and the
-unconstrained best is printed beside the result. The walkthrough, with its outputs checked against
+unconstrained best is printed beside the result. The walkthrough, which sets the outputs beside
 the layouts of published training runs, is 05-advanced/cost_model.md.
 
 The model of one step (s = sequence length, b = sequences per micro-batch, m = micro-batches per
 data-parallel rank, t/c/p/d = TP/CP/PP/DP degrees; ranks laid out TP innermost, then CP, PP, DP,
 the order of Llama 3):
-    compute  FLOPs per token 6N + 12*L*h*s (the course's MFU formula) at peak x --mfu; full
-             activation checkpointing adds a forward (x 4/3)
-    TP       4 all-reduces of (b, s/c, h) per layer and micro-batch (6 when the forward is
-             recomputed), inside a node, never hidden
+    compute  FLOPs per token 6N + 12*L*h*s (the MFU formula of 02-fsdp/fsdp_transformer.py) at
+             peak x --mfu; full activation checkpointing adds a forward (x 4/3)
+    TP       with sequence parallelism: per layer and micro-batch, 2 all-gathers and 2
+             reduce-scatters of (b, s/c, h) forward, 4 backward, 4 more when the forward is
+             recomputed; inside a node, never hidden
     PP       2 sends of (b, s/c, h/t) per micro-batch and chunk; the bubble (p-1)/(v m + p-1)
-             (v = 1: 1F1B; v > 1: interleaved 1F1B) is lost time
+             (v = 1: 1F1B; v > 1: interleaved 1F1B, p v dividing the layers) is lost time
     CP       K,V chunks all-gathered round the ring forward and again backward, dK,dV
              reduce-scattered, per layer and micro-batch: hidden behind attention (--overlap on)
-    DP       over the d x c ranks that hold the same weights: DDP all-reduces bf16 gradients
-             once per step, 2(g-1)/g of their bytes; ZeRO-1 reduce-scatters them and all-gathers
-             the weights (the same bytes); FSDP all-gathers the weights before forward and
-             backward and reduce-scatters the gradients, 3(g-1)/g, for every micro-batch (once per
-             step with a pipeline): hidden behind compute (--overlap on)
-    a collective: t = alpha x ring steps + bytes per GPU / bus bandwidth
-    memory   weights, gradients and Adam (16 bytes per parameter, DESIGN section 5, sharded as the
-             layout says), activations (12h + 4kv + 6f bytes per token and layer), logits
+    DP       over the d x c ranks that hold the same weights, gradients reduced in
+             --grad-reduce-dtype (fp32 by default): DDP all-reduces them once per step; ZeRO-1
+             reduce-scatters them and all-gathers the bf16 weights; FSDP (torch's fully_shard on
+             torchtitan's units) all-gathers each unit before forward and again before backward and
+             reduce-scatters its gradient for every micro-batch, or once per step under a pipeline
+             with reshard_after_forward=False: hidden behind compute (--overlap on), less the time
+             the CP ring holds the same NICs
+    a collective: t = base latency + alpha x ring steps + bytes per GPU / bus bandwidth (NCCL's
+             model; PAT instead of a ring where NCCL would time it faster)
+    memory   weights, gradients and Adam (bytes per parameter as Megatron-LM and FSDP2 keep them,
+             sharded as the layout says), FSDP's gathered units, activations
+             ((12h + 4kv + 8f)/t + 4h(t-1)/t bytes per token and layer), logits
 """
 
 import json
@@ -66,31 +71,44 @@ MODELS = {
 
 # NVIDIA's data sheets (H100, H200, A100 Tensor Core GPU): dense BF16 tensor-core TFLOP/s (the
 # sheets print twice this "with sparsity"), HBM in GB and TB/s, NVLink GB/s per GPU one way (the
-# sheets print both directions together: 900 GB/s for H100/H200, 600 GB/s for A100).
+# sheets print both directions together: 900 GB/s for H100/H200, 600 GB/s for A100). network: the
+# default fabric of the GPU's DGX system, one NIC per GPU (DGX H100/H200: ConnectX-7 at 400 Gb/s
+# NDR; DGX A100: ConnectX-6 at 200 Gb/s HDR; NVIDIA's DGX user guides).
 GPUS = {
-    "h100-sxm": dict(name="H100 SXM", tflops=989.0, hbm_gb=80.0, hbm_tbps=3.35, nvlink=450.0),
-    "h200-sxm": dict(name="H200 SXM", tflops=989.0, hbm_gb=141.0, hbm_tbps=4.8, nvlink=450.0),
+    "h100-sxm": dict(name="H100 SXM", tflops=989.0, hbm_gb=80.0, hbm_tbps=3.35, nvlink=450.0,
+                     network="ib-ndr"),
+    "h200-sxm": dict(name="H200 SXM", tflops=989.0, hbm_gb=141.0, hbm_tbps=4.8, nvlink=450.0,
+                     network="ib-ndr"),
     "a100-sxm-80gb": dict(name="A100 SXM 80GB", tflops=312.0, hbm_gb=80.0, hbm_tbps=2.039,
-                          nvlink=300.0),
+                          nvlink=300.0, network="ib-hdr"),
 }
 
 # One NIC's speed, GB/s one way (InfiniBand Trade Association: NDR 4 x 100 Gb/s, HDR 4 x 50 Gb/s;
-# IEEE 802.3bs 400 GbE), and the latency of one ring step across the network: 9.6 us, the value
-# NCCL's own tuning model gives a network hop of a Ring/Simple collective (hwLat in
-# src/graph/tuning.cc). NCCL has one latency for every network, so RoCE gets the same alpha here:
-# an assumption (a RoCE fabric's switches add latency that this model does not count).
+# IEEE 802.3bs 400 GbE).
 NETWORKS = {
     "ib-ndr": dict(name="InfiniBand NDR 400 Gb/s", nic=50.0),
     "ib-hdr": dict(name="InfiniBand HDR 200 Gb/s", nic=25.0),
     "roce-400": dict(name="RoCE v2 over 400 GbE", nic=50.0),
 }
-ALPHA_NVLINK_US = 3.4   # NCCL tuning.cc, hwLat[NVLINK][Ring][Simple]: one ring step inside a node
-ALPHA_NET_US = 9.6      # NCCL tuning.cc, hwLat[NET][Ring][Simple]: one ring step across nodes
+# NCCL's latency model for a Ring/Simple collective (src/graph/tuning.cc of NCCL 2.30.7, the NCCL
+# that torch 2.14.1's CUDA wheels install as nvidia-nccl-cu13): baseLatencies[Ring][Simple] once
+# per collective, then hwLatencies[hw][Ring][Simple] per ring step: 3.4 us over NVLink, 14.0 us
+# across the network (9.6 us up to NCCL 2.17; 14.0 since 2.18.1). NCCL has one network figure, so
+# RoCE gets InfiniBand's: an assumption (a RoCE fabric's switches add latency this does not count).
+# NCCL raises the NVLink steps of a ring that crosses nodes to 3 x its host overhead: 3.0 us on
+# Intel hosts (DGX H100's Xeons), below 3.4; 6.0 us on AMD hosts, which this model does not take.
+BASE_LATENCY_US = 8.4
+ALPHA_NVLINK_US = 3.4
+ALPHA_NET_US = 14.0
+NCCL_VERSION = "2.30"
+# An all-gather or reduce-scatter over a group of one GPU per node may run PAT instead (NCCL
+# 2.23+, the same tuning.cc): base 8.0 us + floor(log2 nodes) x 14.0/3.5 us + 2.8 us per rank, at
+# 0.75 of the ring's bus bandwidth; NCCL's tuner takes whichever its model times faster.
+PAT_BASE_US, PAT_PER_RANK_US, PAT_BW = 8.0, 2.8, 0.75
 
-BF16 = 2                          # bytes of a bf16 activation, weight or gradient element
+BF16 = 2                       # bytes of a bf16 activation, weight or gradient element
+GRAD_BYTES = {"fp32": 4, "bf16": 2}  # --grad-reduce-dtype: bytes of a reduced gradient element
 DDP_BUCKET = 25 * 1024 * 1024  # torch DDP's default bucket_cap_mb = 25 (MiB): one all-reduce each
-ADAM_BYTES_PER_PARAM = 28      # the optimizer step reads fp32 master, m, v (12) and the bf16 grad
-#                                (2), writes master, m, v (12) and the bf16 weight (2)
 SHARDINGS = ("ddp", "zero1", "fsdp")
 CHECKPOINTING = ("none", "full")
 MAX_MICRO_BATCH = 16  # sequences per micro-batch considered: 1, 2, 4, 8, 16
@@ -130,11 +148,13 @@ def collective(kind: str, group: list, payload: float, cl: dict) -> dict:
     """Time of one ring collective (NCCL's algorithm for large messages) of `payload` bytes (the
     whole tensor: the all-reduced one, or the all-gathered result) over `group`.
     Bytes each GPU sends: all-reduce 2(g-1)/g x payload, all-gather and reduce-scatter
-    (g-1)/g x payload (nccl-tests' busbw factors). Steps: 2(g-1) and g-1; the steps that cross a
-    node boundary, 2(nodes-1) and nodes-1, cost the network's alpha, the others NVLink's (NCCL's
-    latency model, tuning.cc). Bus bandwidth: NVLink inside a node; across nodes the group's
-    members in one node share that node's NICs with the other groups doing the same at the same
-    time, so g_node members get g_node x (NIC bandwidth per GPU), at most NVLink's."""
+    (g-1)/g x payload (nccl-tests' busbw factors). Latency, NCCL's model (tuning.cc): the base
+    latency once, then 2(g-1) and g-1 steps, of which 2(nodes-1) and nodes-1 cross a node boundary
+    and cost the network's alpha, the others NVLink's. Bus bandwidth: NVLink's inside a node; across
+    nodes the group's members in one node share that node's NICs with the other groups doing the
+    same at the same time, so g_node members get g_node x (NIC bandwidth per GPU), at most NVLink's;
+    each link at its efficiency. With one GPU per node an all-gather or reduce-scatter takes PAT
+    where NCCL's model times it faster (latency growing with log2 of the nodes)."""
     per_node, nodes = spread(group, cl["gpus_per_node"])
     g = per_node * nodes
     if g == 1:
@@ -142,36 +162,59 @@ def collective(kind: str, group: list, payload: float, cl: dict) -> dict:
     factor, steps, inter = {"all_reduce": (2 * (g - 1) / g, 2 * (g - 1), 2 * (nodes - 1)),
                             "all_gather": ((g - 1) / g, g - 1, nodes - 1),
                             "reduce_scatter": ((g - 1) / g, g - 1, nodes - 1)}[kind]
-    busbw = cl["nvlink"] if nodes == 1 else min(cl["nvlink"], per_node * cl["net_per_gpu"])
+    busbw = cl["nvlink_bw"] if nodes == 1 else min(cl["nvlink_bw"], per_node * cl["nic_bw"])
     sent = factor * payload
-    alpha = (steps - inter) * cl["alpha_nvlink"] + inter * cl["alpha_net"]
-    return {"bytes": sent, "steps": steps, "time": alpha + sent / (busbw * cl["efficiency"])}
+    alpha = cl["base"] + (steps - inter) * cl["alpha_nvlink"] + inter * cl["alpha_net"]
+    ring = {"bytes": sent, "steps": steps, "time": alpha + sent / busbw, "algo": "ring"}
+    if kind != "all_reduce" and per_node == 1 and nodes > 1:
+        pat = (PAT_BASE_US * 1e-6 + int(math.log2(nodes)) * cl["alpha_net"] / 3.5
+               + g * PAT_PER_RANK_US * 1e-6 + sent / (PAT_BW * busbw))
+        if pat < ring["time"]:
+            return dict(ring, time=pat, algo="pat")
+    return ring
 
 
 def send(group: list, payload: float, cl: dict) -> dict:
-    """One point-to-point send to the neighbour in `group` (a pipeline boundary): one step, the
-    whole payload, over NVLink when the group sits in one node, else over this GPU's NIC share."""
+    """One point-to-point send to the neighbour in `group` (a pipeline boundary): one step of its
+    link's alpha (a send is not one of the collectives NCCL's tuning model times, so no base
+    latency), the whole payload, over NVLink when the group sits in one node, else over this GPU's
+    NIC."""
     _, nodes = spread(group, cl["gpus_per_node"])
-    bw, alpha = (cl["nvlink"], cl["alpha_nvlink"]) if nodes == 1 else \
-        (min(cl["nvlink"], cl["net_per_gpu"]), cl["alpha_net"])
-    return {"bytes": payload, "steps": 1, "time": alpha + payload / (bw * cl["efficiency"])}
+    bw, alpha = (cl["nvlink_bw"], cl["alpha_nvlink"]) if nodes == 1 else \
+        (min(cl["nvlink_bw"], cl["nic_bw"]), cl["alpha_net"])
+    return {"bytes": payload, "steps": 1, "time": alpha + payload / bw}
 
 
 # --------------------------------------------------------------------------------------------------
 # One layout: its step time and its memory per GPU
 
 
+def fsdp_units(mdl: dict, t: int, p: int, stage_layers: int) -> tuple:
+    """The FSDP units of the busiest rank, as torchtitan wraps them (distributed/fsdp.py): each
+    layer; the embedding; the final norm with the output layer, or, tied, the embedding, norm and
+    output together. Returns (units, head): parameters per unit after TP (1/t of each matrix, and
+    of the embedding and output layer, split over the vocabulary), and the unit holding the output
+    layer, which torchtitan does not reshard after forward. Under a pipeline the busiest rank
+    holds its layers and one of the embedding or the output layer."""
+    h, pc = mdl["hidden"], mdl["counts"]
+    layer = pc["layer_matrices"] / t + 2 * h  # norms replicated over TP
+    head = pc["embedding"] / t + h            # output layer (or tied embedding) + final norm
+    embedding = [pc["embedding"] / t] if p == 1 and not mdl["tied"] else []
+    return embedding + [layer] * stage_layers + [head], head
+
+
 def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
     """Every term of one layout. lay: tp cp pp v dp sharding ac b; run: seq, sequences, mfu,
-    overlap. Times in seconds, bytes per GPU."""
+    overlap, grad_bytes. Times in seconds, bytes per GPU."""
     t, c, p, d, b, v = lay["tp"], lay["cp"], lay["pp"], lay["dp"], lay["b"], lay["v"]
     L, h, f, V, s = mdl["layers"], mdl["hidden"], mdl["ffn"], mdl["vocab"], run["seq"]
-    pc = mdl["counts"]
+    pc, G = mdl["counts"], run["grad_bytes"]
     m = run["sequences"] // (d * b)               # micro-batches per step, per DP rank
     tokens = b * s // c                           # tokens of one micro-batch on one GPU (CP chunk)
-    # The layers of the busiest rank (it sets the pace and the memory): with interleaving, v
-    # chunks of L/(p v) layers each.
-    stage_layers = v * math.ceil(L / (p * v))
+    # The layers of the busiest rank (it sets the pace and the memory). Interleaving cuts them
+    # into v chunks of L/(p v) layers; it is offered only where p v divides L (Megatron-LM
+    # requires it), so the busiest rank holds exactly L/p layers then.
+    stage_layers = math.ceil(L / p)
     recompute = lay["ac"] == "full"
     rate = cl["tflops"] * 1e12 * run["mfu"]       # FLOP/s one GPU achieves
 
@@ -184,13 +227,16 @@ def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
     tp_group, cp_group = [(t, 1)], [(c, t)]
     pp_group, dp_group = [(p, t * c)], [(c, t), (d, t * c * p)]
     terms = {}
-    # TP: per layer, 2 all-reduces forward (after attention and after the MLP) and 2 backward
-    # (their conjugates), each of the whole (b, s/c, h) activation; the recomputed forward repeats
-    # its 2. Sequence parallelism turns each into a reduce-scatter + all-gather: the same bytes.
-    per_layer = 4 + (2 if recompute else 0)
-    ar = collective("all_reduce", tp_group, tokens * h * BF16, cl)
+    # TP with sequence parallelism (Korthikanti et al. 2022; torch's DTensor plan in torchtitan):
+    # per layer, forward all-gathers the sequence-sharded normed input before attention and before
+    # the MLP and reduce-scatters each block's output: 4 collectives of the whole (b, s/c, h)
+    # activation; backward runs their conjugates, 4 more; a recomputed forward repeats its 4. Each
+    # is costed as an all-gather: a ring reduce-scatter of the same tensor sends as many bytes in
+    # as many steps.
+    per_layer = 8 + (4 if recompute else 0)
+    tp = collective("all_gather", tp_group, tokens * h * BF16, cl)
     n = per_layer * stage_layers if t > 1 else 0
-    terms["tp"] = {"count": n * m, "bytes": n * m * ar["bytes"], "mb": n * ar["time"]}
+    terms["tp"] = {"count": n * m, "bytes": n * m * tp["bytes"], "mb": n * tp["time"]}
     terms["tp"]["exposed_mb"] = terms["tp"]["mb"]  # on the critical path of every layer
     # CP: each rank's K and V chunk (kv/t features each, bf16) visits the c-1 other ranks:
     # an all-gather's bytes and steps, in forward and again in backward (plus once in a recomputed
@@ -221,82 +267,124 @@ def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
     bubble = (p - 1) / v * stage_mb
     pipeline = m * stage_mb + bubble
 
-    # Parameters this GPU holds before data-parallel sharding: the largest stage's layers, 1/t of
-    # each matrix (norms replicated), the embedding or the output layer split over the vocabulary,
-    # and the final norm; one stage holds them all when p = 1.
-    layer_tp = pc["layer_matrices"] / t + 2 * h
-    heads = 1 if (p > 1 or mdl["tied"]) else 2
-    params = stage_layers * layer_tp + heads * pc["embedding"] / t + h
+    # Parameters this GPU holds before data-parallel sharding, unit by unit.
+    units, head = fsdp_units(mdl, t, p, stage_layers)
+    layer_tp = units[-2]
+    params = sum(units)
     g = d * c                                     # ranks that hold the same weights
-    W = params * BF16                             # bf16 gradients (or weights) of this GPU
     sh = lay["sharding"] if g > 1 else "ddp"
+    # When the CP ring and the DP group both cross nodes they share each GPU's NIC: while the ring
+    # runs behind attention, the NIC is not free to hide DP traffic.
+    shared_nic = c > 1 and g > 1 and spread(cp_group, cl["gpus_per_node"])[1] > 1 \
+        and spread(dp_group, cl["gpus_per_node"])[1] > 1
+    cp_busy = min(cp_mb, attention) if shared_nic and run["overlap"] else 0.0
     if sh == "ddp":
-        # One all-reduce per 25 MiB bucket, on the last micro-batch (no_sync before it), started
-        # as its buckets fill during that micro-batch's backward.
-        buckets = math.ceil(W / DDP_BUCKET)
-        one = collective("all_reduce", dp_group, W / buckets, cl)
-        dp = {"count": buckets, "bytes": buckets * one["bytes"], "time": buckets * one["time"]}
+        # One all-reduce of the gradients (G bytes each) per 25 MiB bucket, on the last
+        # micro-batch (no_sync before it), started as its buckets fill during its backward.
+        buckets = math.ceil(G * params / DDP_BUCKET)
+        one = collective("all_reduce", dp_group, G * params / buckets, cl)
+        dp = {"count": buckets if g > 1 else 0, "bytes": buckets * one["bytes"],
+              "time": buckets * one["time"]}
         window = bwd
-    elif sh == "zero1" or p > 1:
-        # ZeRO-1: reduce-scatter the gradients (behind the last backward), all-gather the updated
-        # weights (behind the next forward). FSDP with a pipeline: torch.distributed.pipelining
-        # keeps the stage's weights and gradients unsharded from the first micro-batch to the last
-        # (stage.py: set_reshard_after_backward / set_requires_gradient_sync False), so it also
-        # gathers once and reduce-scatters once per step.
-        buckets = math.ceil(W / DDP_BUCKET) if sh == "zero1" else stage_layers + 1
-        a = collective("all_gather", dp_group, W / buckets, cl)
-        r = collective("reduce_scatter", dp_group, W / buckets, cl)
+    elif sh == "zero1":
+        # ZeRO-1 (Megatron-LM's distributed optimizer): reduce-scatter the gradients (behind the
+        # last backward), all-gather the updated bf16 weights (behind the next forward), in as
+        # many buckets as DDP's.
+        buckets = math.ceil(G * params / DDP_BUCKET)
+        r = collective("reduce_scatter", dp_group, G * params / buckets, cl)
+        a = collective("all_gather", dp_group, BF16 * params / buckets, cl)
         dp = {"count": 2 * buckets, "bytes": buckets * (a["bytes"] + r["bytes"]),
               "time": buckets * (a["time"] + r["time"])}
         window = fwd + bwd
     else:
-        # FSDP without a pipeline: for every micro-batch, one all-gather per layer (and one for
-        # the embedding and output layer) before forward, again before backward, and one
-        # reduce-scatter of the gradients, each prefetched behind the previous layer's compute.
-        units = stage_layers + 1
-        a = collective("all_gather", dp_group, W / units, cl)
-        r = collective("reduce_scatter", dp_group, W / units, cl)
-        per_mb = units * (2 * a["time"] + r["time"])
-        dp = {"count": 3 * units * m, "bytes": units * (2 * a["bytes"] + r["bytes"]) * m,
-              "time": m * per_mb}
-        window = None
+        # FSDP2 (fully_shard): a unit's bf16 weights all-gathered, its gradient reduce-scattered
+        # in the reduce dtype. Sizes: every layer alike, the embedding and the head (vocabulary
+        # split over TP) apart.
+        sizes = sorted(set(units))
+        ag = {u: collective("all_gather", dp_group, BF16 * u, cl) for u in sizes}
+        rs = {u: collective("reduce_scatter", dp_group, G * u, cl) for u in sizes}
+        if p > 1:
+            # Under a pipeline with fully_shard(reshard_after_forward=False) (torchtitan's default
+            # with PP, distributed/fsdp.py): torch.distributed.pipelining sets
+            # reshard_after_backward and requires_gradient_sync False for all but the last
+            # micro-batch (stage.py), so each unit is gathered once and reduce-scattered once per
+            # step. (With the default reshard_after_forward=True it would re-gather every
+            # micro-batch's forward.)
+            dp = {"count": 2 * len(units),
+                  "bytes": sum(ag[u]["bytes"] + rs[u]["bytes"] for u in units),
+                  "time": sum(ag[u]["time"] + rs[u]["time"] for u in units)}
+            window = fwd + bwd
+        else:
+            # Without a pipeline, for every micro-batch: each unit gathered before forward, again
+            # before backward (except the head, which torchtitan keeps unsharded from its forward
+            # to its backward), and its gradient reduce-scattered, each prefetched behind the
+            # previous unit's compute.
+            regathered = list(units)
+            regathered.remove(head)
+            per_mb = sum(ag[u]["time"] + rs[u]["time"] for u in units) \
+                + sum(ag[u]["time"] for u in regathered)
+            mb_bytes = sum(ag[u]["bytes"] + rs[u]["bytes"] for u in units) \
+                + sum(ag[u]["bytes"] for u in regathered)
+            dp = {"count": (2 * len(units) + len(regathered)) * m, "bytes": m * mb_bytes,
+                  "time": m * per_mb}
+            window = None
+    # Exposed: what the window it overlaps (less the CP ring's time on a shared NIC) cannot hide.
+    # DDP's window is the last backward alone, so charging it a whole micro-batch's ring time is
+    # conservative.
     if not run["overlap"]:
         dp["exposed"] = dp["time"]
     elif window is None:
-        dp["exposed"] = m * max(0.0, per_mb - (fwd + bwd))
+        dp["exposed"] = m * max(0.0, per_mb - max(0.0, fwd + bwd - cp_busy))
     else:
-        dp["exposed"] = max(0.0, dp["time"] - window)
+        dp["exposed"] = max(0.0, dp["time"] - max(0.0, window - cp_busy))
     terms["dp"] = dp
 
     # The optimizer step reads and writes every byte of Adam's state: bound by HBM bandwidth.
-    opt_params = params if sh == "ddp" else params / g
-    optimizer = ADAM_BYTES_PER_PARAM * opt_params / (cl["hbm_tbps"] * 1e12)
+    # DDP and ZeRO-1 (Megatron-LM): read the fp32 master weight, m, v (12) and the gradient (G),
+    # write master, m, v (12) and the bf16 weight (2). FSDP2: the fp32 shard is the master: read
+    # it, its fp32 gradient, m, v (16), write weight, m, v (12).
+    if sh == "fsdp":
+        opt_bytes = 28 * params / g
+    else:
+        opt_bytes = (26 + G) * (params if sh == "ddp" else params / g)
+    optimizer = opt_bytes / (cl["hbm_tbps"] * 1e12)
     step = pipeline + dp["exposed"] + optimizer
 
-    # Memory (bytes per GPU). Model states, mixed precision with Adam (DESIGN section 5): bf16
-    # weights 2 + bf16 gradients 2 + fp32 master and moments 12 = 16 per parameter; ZeRO-1 shards
-    # the 12, FSDP all 16 (plus, with a pipeline, the unsharded bf16 weights and gradients it
-    # keeps through the step; without, the two layers it holds gathered: the current and the
-    # prefetched one).
+    # Memory (bytes per GPU). Model states, mixed precision with Adam: DDP and ZeRO-1 as
+    # Megatron-LM keeps them (docs/user-guide/features/dist_optimizer.md: bf16 weights 2, main
+    # gradients G, fp32 master and moments 12: 18 per parameter with fp32 gradients, ZeRO-1
+    # 6 + 12/g); FSDP2 keeps fp32 shards of the weights (Adam's master) and of the gradients
+    # (reduced in G, stored in the weights' dtype) and the moments: 16/g. FSDP's gathered units:
+    # under a pipeline the stage's bf16 weights and its unsharded gradients, accumulated in the
+    # reduce dtype (FSDPParam.to_accumulated_grad_if_needed); without, the largest unit with its
+    # neighbour prefetched, and the largest unit's bf16 gradient and its copy in the reduce dtype
+    # that the reduce-scatter reads (2 + G bytes a parameter).
     if sh == "ddp":
-        states = {"weights": 2 * params, "grads": 2 * params, "optimizer": 12 * params}
+        states = {"weights": BF16 * params, "grads": G * params, "optimizer": 12 * params}
         transient = 0.0
     elif sh == "zero1":
-        states = {"weights": 2 * params, "grads": 2 * params, "optimizer": 12 * params / g}
+        states = {"weights": BF16 * params, "grads": G * params, "optimizer": 12 * params / g}
         transient = 0.0
     else:
-        states = {"weights": 2 * params / g, "grads": 2 * params / g, "optimizer": 12 * params / g}
-        transient = 4 * params if p > 1 else 2 * layer_tp * BF16
-    # Activations kept for backward, per token and layer, bf16, split over TP with sequence
-    # parallelism: the inputs of the two norms (h each), of q/k/v and of the MLP (h each), q (h),
-    # k and v (kv each), the attention output (h; FlashAttention keeps no score matrix) and the
-    # MLP's gate, up and their product (f each): 12h + 4kv + 6f bytes. 1F1B keeps min(p, m)
-    # micro-batches in flight on the first stage. Interleaved, the first rank runs
-    # 2(p-1) + (v-1)p warm-up chunk forwards (Megatron-LM, pipeline_parallel/schedules.py) and
-    # holds one more: chunks of L/(p v) layers, 1 + (p-1)/(p v) times 1F1B's p stages of L/p
-    # (05b counts 11 chunks held at p = 4, v = 2). Full checkpointing keeps only each layer's
-    # input (2h bytes) and rebuilds one layer at a time.
-    per_token_layer = (12 * h + 4 * pc["kv"] + 6 * f) / t
+        states = {"weights": 4 * params / g, "grads": 4 * params / g, "optimizer": 8 * params / g}
+        largest = max(units)
+        transient = (BF16 + G) * params if p > 1 else \
+            BF16 * (largest + layer_tp) + (BF16 + G) * largest
+    # Activations kept for backward, per token and layer, bf16, measured with eager torch
+    # (tests/test_cost_model.py): the inputs of the two norms (h each; the fused CUDA RMSNorm keeps
+    # its input and a per-token fp32 scale), of q/k/v and of the MLP (h each), q after RoPE (h), k
+    # and v (kv each), the attention output (h; FlashAttention keeps no score matrix, only fp32
+    # row statistics, left out), and the SwiGLU's gate, silu(gate), up and their product (f each):
+    # 12h + 4kv + 8f bytes. Under TP with sequence parallelism each is split over the t ranks
+    # (by sequence, heads or features), except the inputs of q/k/v and of the MLP: torch's plan
+    # all-gathers them (PrepareModuleInput to Replicate) and the linear layers save them whole,
+    # 4h(t-1)/t bytes more than a split. 1F1B keeps min(p, m) micro-batches in flight on the first
+    # stage. Interleaved, the first rank runs 2(p-1) + (v-1)p warm-up chunk forwards (Megatron-LM,
+    # pipeline_parallel/schedules.py) and holds one more: chunks of L/(p v) layers,
+    # 1 + (p-1)/(p v) times 1F1B's p stages of L/p (05b counts 11 chunks held at p = 4, v = 2).
+    # Full checkpointing keeps only each layer's input (2h/t bytes, sequence-sharded) and rebuilds
+    # one layer at a time.
+    per_token_layer = (12 * h + 4 * pc["kv"] + 8 * f) / t + 4 * h * (t - 1) / t
     in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
     if recompute:
         acts = stage_layers * tokens * 2 * h / t * in_flight + tokens * per_token_layer
@@ -306,10 +394,10 @@ def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
     memory = {**states, "gathered": transient, "activations": acts, "logits": logits}
     memory["total"] = sum(memory.values())
     return {"layout": dict(lay, dp=d, sharding=sh), "microbatches": m, "params_per_gpu": params,
-            "dp_group": g, "compute_mb": fwd + bwd, "attention_mb": attention,
-            "compute": m * (fwd + bwd), "stage_mb": stage_mb, "pipeline": pipeline,
-            "bubble": bubble, "bubble_fraction": (p - 1) / (v * m + p - 1), "terms": terms,
-            "optimizer": optimizer, "step": step, "memory": memory,
+            "dp_group": g, "shared_nic": shared_nic, "compute_mb": fwd + bwd,
+            "attention_mb": attention, "compute": m * (fwd + bwd), "stage_mb": stage_mb,
+            "pipeline": pipeline, "bubble": bubble, "bubble_fraction": (p - 1) / (v * m + p - 1),
+            "terms": terms, "optimizer": optimizer, "step": step, "memory": memory,
             "fits": memory["total"] <= cl["usable_bytes"]}
 
 
@@ -325,8 +413,12 @@ def candidates(mdl: dict, cl: dict, run: dict) -> list:
     """Every layout of the cluster's GPUs: TP inside a node (a power of two dividing the heads and
     KV heads), CP chunks of at least --min-cp-chunk tokens (the sequence cut into 2c pieces for a
     balanced causal ring), PP up to one layer per stage, interleaved with v chunks per rank when
-    p divides m (Megatron-LM's condition), DP the rest (dividing the step's sequences),
-    micro-batches of b sequences, each sharding and checkpointing."""
+    p v divides the layers (any such v: Megatron-LM requires equal chunks) and p divides m (the
+    condition of Megatron-LM's first interleaved schedule; Megatron-LM now takes any m >= p,
+    through microbatch_group_size_per_vp_stage, and Llama 3 lifted it too: this model keeps it, so
+    that every micro-batch group fills the pipeline and the bubble is (p-1)/(v m + p-1)), DP the
+    rest (dividing the step's sequences), micro-batches of b sequences, each sharding and
+    checkpointing."""
     n, L, out = cl["gpus"], mdl["layers"], []
     tps = [t for t in powers_of_two(cl["gpus_per_node"])
            if mdl["heads"] % t == 0 and mdl["kv_heads"] % t == 0 and n % t == 0]
@@ -342,7 +434,8 @@ def candidates(mdl: dict, cl: dict, run: dict) -> list:
                 for b in [b for b in powers_of_two(min(per_rank, MAX_MICRO_BATCH))
                           if per_rank % b == 0]:
                     m = per_rank // b
-                    vs = [1] + [v for v in powers_of_two(L // p)[1:] if p > 1 and m % p == 0]
+                    vs = [1] + [v for v in range(2, L // p + 1)
+                                if p > 1 and m % p == 0 and L % (p * v) == 0]
                     for v in vs:
                         for sh in SHARDINGS if d * c > 1 else ("ddp",):
                             for ac in CHECKPOINTING:
@@ -398,7 +491,7 @@ def table(r: dict, cl: dict) -> list:
              f"{r['compute'] * ms:>14.1f}",
              f"{bubble:38}"
              f"{'-':>9}{'-':>10}{r['bubble'] * ms:>12.1f}{r['bubble'] * ms:>14.1f}"]
-    names = {"tp": "TP all-reduce (b, s/c, h)", "cp": "CP ring K,V and dK,dV",
+    names = {"tp": "TP all-gather/reduce-scatter (b,s/c,h)", "cp": "CP ring K,V and dK,dV",
              "pp": "PP send activations / gradients"}
     for key, label in names.items():
         # exposed per step: every micro-batch's exposed part (the bubble row holds the p-1 idle
@@ -443,7 +536,9 @@ def why(results: list, chosen: dict) -> list:
             elif r is chosen:
                 cells.append(f"{v}: {r['step'] * 1e3:.1f}")
             else:
-                cells.append(f"{v}: {r['step'] * 1e3:.1f} ({(r['step'] / base - 1) * 100:+.1f}%)")
+                pct = (r["step"] / base - 1) * 100
+                pct = 0.0 if round(pct, 1) == 0 else pct  # no "-0.0%" for a tie
+                cells.append(f"{v}: {r['step'] * 1e3:.1f} ({pct:+.1f}%)")
         lines.append(f"  {label:16}" + " | ".join(cells))
     return lines
 
@@ -467,11 +562,16 @@ def header(args, mdl: dict, cl: dict, run: dict) -> list:
         f"{gpu['hbm_gb']:g} GB ({args.usable_memory:.0%} usable), {gpu['hbm_tbps']:g} TB/s | "
         f"NVLink {gpu['nvlink']:g} GB/s each way",
         f"network  {net['name']}: {args.nics_per_node} NICs per node = "
-        f"{cl['net_per_gpu'] / 1e9:g} GB/s per GPU each way | links at {cl['efficiency']:.0%} of "
-        f"spec | alpha per ring step: NVLink {cl['alpha_nvlink'] * 1e6:g} us, network "
-        f"{cl['alpha_net'] * 1e6:g} us",
+        f"{cl['net_per_gpu'] / 1e9:g} GB/s per GPU each way | NVLink at "
+        f"{args.nvlink_efficiency:.0%}, NICs at {args.nic_efficiency:.0%} of spec",
+        f"latency  NCCL {NCCL_VERSION} Ring/Simple: {cl['base'] * 1e6:g} us per collective + "
+        f"{cl['alpha_nvlink'] * 1e6:g} us per NVLink step, {cl['alpha_net'] * 1e6:g} us per "
+        "network step",
+        f"training bf16 compute, gradients reduced in {args.grad_reduce_dtype}, Adam | "
+        "activations: eager SwiGLU, FlashAttention, sequence parallelism under TP",
         "overlap  " + ("on: DP/FSDP traffic hidden behind compute, CP behind attention, up to "
-                       "their length; TP, PP and the optimizer step exposed" if run["overlap"]
+                       "their length (DP less the CP ring's time on a shared NIC); TP, PP and the "
+                       "optimizer step exposed" if run["overlap"]
                        else "off: every collective and send adds to the step"),
     ]
 
@@ -494,10 +594,11 @@ def parse_args(argv=None):
     p.add_argument("--gpu", choices=list(GPUS), default="h100-sxm")
     p.add_argument("--gpus", type=int, default=64, help="GPUs in the job")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs joined by NVLink")
-    p.add_argument("--network", choices=list(NETWORKS), default="ib-ndr",
-                   help="the network between nodes")
+    p.add_argument("--network", choices=["auto", *NETWORKS], default="auto",
+                   help="the network between nodes (auto: that of the GPU's DGX system, ib-ndr "
+                   "for H100 and H200, ib-hdr for A100)")
     p.add_argument("--nics-per-node", type=int, default=8, help="NICs of that network per node "
-                   "(8: one per GPU, as in NVIDIA's DGX H100)")
+                   "(8: one per GPU, as in NVIDIA's DGX H100 and DGX A100)")
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
     p.add_argument("--global-batch-tokens", default="4Mi",
                    help="tokens per optimizer step (4194304, 4Mi, 512Ki)")
@@ -506,8 +607,14 @@ def parse_args(argv=None):
     p.add_argument("--overlap", choices=["on", "off"], default="on",
                    help="on: DP/FSDP traffic hides behind compute (backward, or forward too), CP "
                         "behind attention; TP and PP never do. off: every byte is exposed")
-    p.add_argument("--link-efficiency", type=float, default=0.8, help="fraction of each link's "
-                   "spec bandwidth that collectives reach (lesson 04, section 5: about 80%%)")
+    p.add_argument("--grad-reduce-dtype", choices=list(GRAD_BYTES), default="fp32",
+                   help="the dtype gradients are reduced (and, under a pipeline, accumulated) in: "
+                   "fp32 is torchtitan's, OLMo's, Megatron-LM's and DDP-with-autocast's default")
+    p.add_argument("--nvlink-efficiency", type=float, default=0.8, help="fraction of NVLink's "
+                   "spec bandwidth that collectives reach (lesson 04, section 5: 78-82%%)")
+    p.add_argument("--nic-efficiency", type=float, default=0.92, help="fraction of a NIC's spec "
+                   "bandwidth that collectives across nodes reach (lesson 04, section 5: 46-48 of "
+                   "50 GB/s per NDR NIC, 24 of 25 per HDR NIC)")
     p.add_argument("--usable-memory", type=float, default=0.9, help="fraction of HBM a layout may "
                    "fill (the rest: CUDA context, NCCL buffers, allocator fragmentation)")
     p.add_argument("--min-cp-chunk", type=int, default=8192, help="the fewest tokens per GPU a "
@@ -534,9 +641,11 @@ def parse_args(argv=None):
 def check(args) -> None:
     """Bad input ends here, with one line naming the numbers involved."""
     cli.check_positive(args, "gpus", "gpus_per_node", "nics_per_node", "seq_len", "mfu",
-                       "link_efficiency", "usable_memory", "min_cp_chunk", "tp", "cp", "pp",
-                       "virtual_stages", "dp", "batch_size")
-    for name in ("mfu", "link_efficiency", "usable_memory"):
+                       "nvlink_efficiency", "nic_efficiency", "usable_memory", "min_cp_chunk",
+                       "tp", "cp", "pp", "virtual_stages", "dp", "batch_size")
+    if args.network == "auto":
+        args.network = GPUS[args.gpu]["network"]
+    for name in ("mfu", "nvlink_efficiency", "nic_efficiency", "usable_memory"):
         if getattr(args, name) > 1:
             fail(f"--{name.replace('_', '-')} is a fraction (at most 1), got {getattr(args, name)}")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
@@ -558,6 +667,11 @@ def check(args) -> None:
              "chunks (a balanced causal ring)")
     if args.pp is not None and args.pp > mdl["layers"]:
         fail(f"--pp {args.pp} is more stages than {args.model}'s {mdl['layers']} layers")
+    if args.pp and args.virtual_stages and args.virtual_stages > 1 \
+            and mdl["layers"] % (args.pp * args.virtual_stages):
+        fail(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = "
+             f"{args.pp * args.virtual_stages} does not divide {args.model}'s {mdl['layers']} "
+             "layers into equal chunks")
     given = [(k, getattr(args, k)) for k in ("tp", "cp", "pp", "dp") if getattr(args, k)]
     prod = math.prod(v for _, v in given)
     names = " x ".join(f"--{k} {v}" for k, v in given)
@@ -572,14 +686,18 @@ def inputs(args) -> tuple:
     mdl = dict(MODELS[args.model], counts=param_counts(MODELS[args.model]))
     gpu, net = GPUS[args.gpu], NETWORKS[args.network]
     cl = {"gpus": args.gpus, "gpus_per_node": min(args.gpus, args.gpus_per_node),
-          "tflops": gpu["tflops"], "hbm_tbps": gpu["hbm_tbps"], "nvlink": gpu["nvlink"] * 1e9,
-          # the node's NICs shared by its GPUs: GB/s one way per GPU
+          "tflops": gpu["tflops"], "hbm_tbps": gpu["hbm_tbps"],
+          "nvlink_bw": gpu["nvlink"] * 1e9 * args.nvlink_efficiency,
+          # the node's NICs shared by its GPUs: bytes/s one way per GPU, at spec and reached
           "net_per_gpu": args.nics_per_node * net["nic"] * 1e9 / args.gpus_per_node,
-          "efficiency": args.link_efficiency, "alpha_nvlink": ALPHA_NVLINK_US * 1e-6,
+          "nic_bw": args.nics_per_node * net["nic"] * 1e9 / args.gpus_per_node
+          * args.nic_efficiency,
+          "base": BASE_LATENCY_US * 1e-6, "alpha_nvlink": ALPHA_NVLINK_US * 1e-6,
           "alpha_net": ALPHA_NET_US * 1e-6,
           "usable_bytes": args.usable_memory * gpu["hbm_gb"] * 1e9}
     run = {"seq": args.seq_len, "sequences": args.tokens // args.seq_len, "mfu": args.mfu,
            "min_cp_chunk": args.min_cp_chunk, "overlap": args.overlap == "on",
+           "grad_bytes": GRAD_BYTES[args.grad_reduce_dtype],
            "flops_per_token": 6 * mdl["counts"]["flops_n"]
            + 12 * mdl["layers"] * mdl["hidden"] * args.seq_len}
     cl["step_flops"], cl["step_tokens"] = run["flops_per_token"] * args.tokens, args.tokens
@@ -612,7 +730,9 @@ def write_json(path: Path, args, mdl, run, every, chosen, overall, fixed) -> Non
            "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
            "nics_per_node": args.nics_per_node, "seq_len": args.seq_len,
            "global_batch_tokens": args.tokens, "mfu": args.mfu, "overlap": args.overlap,
-           "link_efficiency": args.link_efficiency, "usable_memory": args.usable_memory,
+           "grad_reduce_dtype": args.grad_reduce_dtype,
+           "nvlink_efficiency": args.nvlink_efficiency, "nic_efficiency": args.nic_efficiency,
+           "usable_memory": args.usable_memory,
            "parameters": mdl["counts"]["total"], "flops_n": mdl["counts"]["flops_n"],
            "flops_per_token": run["flops_per_token"], "constraints": fixed,
            "chosen": chosen, "best": overall,
@@ -637,7 +757,8 @@ def main(argv=None):
         given = ", ".join(f"{FLAGS[k]} {v}" for k, v in fixed.items()) or "no constraint"
         fail(f"no layout of {args.gpus} GPUs has {given}: the {run['sequences']} sequences of a "
              "step must split over dp x batch-size x micro-batches, interleaving needs pp > 1 "
-             f"dividing the micro-batches, CP chunks at least {args.min_cp_chunk} tokens")
+             "dividing the micro-batches and pp x virtual-stages dividing the layers, CP chunks "
+             f"at least {args.min_cp_chunk} tokens")
     overall = best(every)
     report(args, mdl, cl, run, every, chosen, overall, fixed)
     if args.json_out:

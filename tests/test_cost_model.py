@@ -1,21 +1,26 @@
 """Lesson 05's cost model (05-advanced/cost_model.py): every figure it prints and writes equals the
-formulas, worked out here by hand for three layouts; a case whose answer is forced (70B does not
-fit on 80 GB GPUs with data parallelism alone) gets sharding or TP; the walkthrough's commands run
-and reproduce their quoted outputs; bad input stops with one line.
+formulas, worked out here by hand for four layouts; the activation bytes it assumes per token are
+what torch's autograd saves for a Llama block, measured with saved-tensor hooks; a case whose
+answer is forced (70B does not fit on 80 GB GPUs with data parallelism alone) gets sharding or
+model parallelism; the walkthrough's commands run and reproduce their quoted outputs; bad input
+stops with one line.
 
 The script is arithmetic (no torch, no process group), so each launch takes a fraction of a
 second; the walkthrough's commands are run here once (tests/test_readmes.py then skips them).
 
 Tolerances: the script and this file compute the same float64 expressions in a different order,
 which moves a result by a few ulps (1e-15 relative); a wrong formula (a missing factor (g-1)/g, a
-ring step too many, the wrong link) moves a term by 1e-3 or more. So JSON figures are compared at
-1e-9 relative, and printed figures to half a unit of their last printed digit.
+ring step too many, the wrong link, bf16 where fp32 is reduced) moves a term by 1e-3 or more. So
+JSON figures are compared at 1e-9 relative, and printed figures to half a unit of their last
+printed digit. Saved-tensor bytes are integers and compared exactly.
 """
 
 import math
 import re
 
 import pytest
+import torch
+import torch.nn.functional as F
 from conftest import REPO, assert_bad_input, read_json, run_documented, run_python
 
 SCRIPT = "05-advanced/cost_model.py"
@@ -25,24 +30,33 @@ REL = 1e-9
 
 # Inputs the hand arithmetic uses, from their sources (not read from the script): H100 SXM dense
 # bf16 989 TFLOP/s, NVLink 450 GB/s one way, HBM 3.35 TB/s and 80 GB; NDR NICs of 50 GB/s, one per
-# GPU; NCCL's ring-step latencies 3.4 us (NVLink) and 9.6 us (network); the defaults MFU 0.40,
-# links at 80% of spec, 90% of HBM usable.
+# GPU; collectives at 80% of NVLink and 92% of a NIC; NCCL 2.30's Ring/Simple latencies: 8.4 us
+# per collective, 3.4 us per NVLink step, 14.0 us per network step, and PAT's (8.0 us, 14.0/3.5 us
+# per doubling of the nodes, 2.8 us per rank, 0.75 of the bandwidth); the defaults MFU 0.40, 90% of
+# HBM usable, gradients reduced in fp32 (4 bytes).
 PEAK, NVLINK, NIC, HBM_BW, HBM = 989e12, 450e9, 50e9, 3.35e12, 80e9
-A_NV, A_NET = 3.4e-6, 9.6e-6
-MFU, EFF, USABLE = 0.40, 0.8, 0.9
+BW_NV, BW_NIC = NVLINK * 0.8, NIC * 0.92
+BASE, A_NV, A_NET = 8.4e-6, 3.4e-6, 14.0e-6
+MFU, USABLE, G = 0.40, 0.9, 4
 
 # Llama 3.1 8B (config.json): 32 layers, h 4096, ffn 14336, 32 heads, 8 KV heads of 128, vocab
 # 128256, untied output layer.
-L, H, F, KV, V = 32, 4096, 14336, 8 * 128, 128256
-LAYER_MATRICES = 2 * H * H + 2 * H * KV + 3 * H * F     # q, o; k, v; gate, up, down
+L, H, F_, HEADS, KV, V = 32, 4096, 14336, 32, 8 * 128, 128256
+LAYER_MATRICES = 2 * H * H + 2 * H * KV + 3 * H * F_     # q, o; k, v; gate, up, down
 P_8B = L * (LAYER_MATRICES + 2 * H) + 2 * V * H + H     # + 2 norms a layer, embedding, head, norm
 N_8B = P_8B - V * H                                      # the embedding look-up does not multiply
+ACT = 12 * H + 4 * KV + 8 * F_                           # activation bytes per token and layer
 
 
 def ring(steps_nvlink: int, steps_net: int, sent: float, busbw: float) -> float:
-    """alpha-beta: every ring step pays its link's latency; the bytes go at the bus bandwidth,
-    80% of spec."""
-    return steps_nvlink * A_NV + steps_net * A_NET + sent / (busbw * EFF)
+    """alpha-beta: NCCL's base latency once, every ring step its link's latency; the bytes at the
+    bus bandwidth (already at its efficiency)."""
+    return BASE + steps_nvlink * A_NV + steps_net * A_NET + sent / busbw
+
+
+def pat(nodes: int, sent: float, busbw: float) -> float:
+    """NCCL's PAT model for an all-gather or reduce-scatter over one GPU per node."""
+    return 8.0e-6 + int(math.log2(nodes)) * A_NET / 3.5 + nodes * 2.8e-6 + sent / (0.75 * busbw)
 
 
 def close(actual: float, expected: float, what: str) -> None:
@@ -78,60 +92,67 @@ def by_hand_a() -> dict:
     s, t, c, p, v, d, b = 16384, 2, 2, 2, 2, 2, 1
     m = 16 // (d * b)                       # 8 micro-batches per DP rank
     tokens = b * s // c                     # 8192 tokens per GPU per micro-batch
-    layers = v * math.ceil(L / (p * v))     # 16 layers per rank: 2 chunks of 8
+    layers = L // p                         # 16 layers per rank: 2 chunks of 8
     rate = PEAK * MFU
     per_token = 6 * N_8B + 12 * L * H * s
     flops = b * s * per_token * layers / L / (t * c)
     fwd = flops / 3 / rate
     bwd = (2 * flops / 3 + flops / 3) / rate               # + the recomputed forward
     attention = b * s * 12 * layers * H * s / (t * c) * 4 / 3 / rate
-    # TP 2: ranks {0, 1}, one node, NVLink. All-reduce of (1, 8192, 4096) bf16: each GPU sends
-    # 2 (t-1)/t = 1 times it in 2 ring steps; 6 per layer (2 forward, 2 backward, 2 recomputed).
+    # TP 2: ranks {0, 1}, one node, NVLink. Sequence parallelism: all-gathers and reduce-scatters
+    # of the (1, 8192, 4096) bf16 activation, each sending half of it in 1 ring step; 12 per layer
+    # (4 forward, 4 backward, 4 in the recomputed forward).
     act = tokens * H * 2
-    tp_one = ring(2, 0, act, NVLINK)
-    tp_mb = 6 * layers * tp_one
+    tp_one = ring(1, 0, act / 2, BW_NV)
+    tp_mb = 12 * layers * tp_one
     # CP 2: ranks {0, 2} (stride t), one node. K and V of the whole sequence on this TP rank:
     # 16384 x 2 x 512 x 2 bytes; an all-gather or reduce-scatter sends half of it in 1 step.
     # Per layer: gathered forward, again backward, again in the recomputed forward; dK,dV
     # reduce-scattered once.
     kv_all = b * s * 2 * (KV // t) * 2
-    cp_one = ring(1, 0, kv_all / 2, NVLINK)
+    cp_one = ring(1, 0, kv_all / 2, BW_NV)
     cp_mb = layers * 4 * cp_one
     cp_exposed = max(0.0, cp_mb - attention)
     # PP 2: ranks {0, 4} (stride t c = 4), one node. Each chunk sends its (1, 8192, 4096/2)
-    # slice forward and a gradient back: 2 v = 4 sends per micro-batch, 1 step each.
-    pp_one = A_NV + (tokens * H * 2 / t) / (NVLINK * EFF)
+    # slice forward and a gradient back: 2 v = 4 sends per micro-batch, one NVLink step each
+    # (a send is no NCCL collective: no base latency).
+    pp_one = A_NV + (tokens * H * 2 / t) / BW_NV
     pp_mb = 2 * v * pp_one
     stage = fwd + bwd + tp_mb + cp_exposed + pp_mb
     bubble = (p - 1) / v * stage
     pipeline = m * stage + bubble
     # Parameters on the busiest GPU: 16 layers of which TP holds half of every matrix (norms
-    # whole), half of the embedding (or of the output layer) and the final norm.
-    params = layers * (LAYER_MATRICES / t + 2 * H) + V * H / t + H
-    # FSDP over the d c = 4 ranks {0, 2, 8, 10}: 2 per node, 2 nodes. With a pipeline, one
-    # all-gather and one reduce-scatter per step, one per layer and one for the embedding: 17
-    # each of W / 17 bf16 bytes, 3/4 of it sent, 3 ring steps of which 1 crosses the network,
-    # at 2 GPUs x 50 GB/s of NICs (less than NVLink's 450).
-    W = 2 * params
-    dp_one = ring(2, 1, 0.75 * W / 17, 2 * NIC)
-    dp_time = 17 * 2 * dp_one
+    # whole), half of the output layer (or of the embedding) and the final norm.
+    layer = LAYER_MATRICES / t + 2 * H
+    head = V * H / t + H
+    params = layers * layer + head
+    # FSDP over the d c = 4 ranks {0, 2, 8, 10}: 2 per node, 2 nodes (so rings, no PAT). Under
+    # the pipeline (reshard_after_forward=False), per step one all-gather of each unit's bf16
+    # weights and one reduce-scatter of its fp32 gradient, 17 units (16 layers and the head); 3/4
+    # of each sent in 3 ring steps, 1 of them across the network, at 2 GPUs x 46 GB/s of NICs
+    # (less than NVLink's 360).
+    units = [layer] * layers + [head]
+    dp_time = sum(ring(2, 1, 0.75 * 2 * u, 2 * BW_NIC) + ring(2, 1, 0.75 * 4 * u, 2 * BW_NIC)
+                  for u in units)
     dp_exposed = max(0.0, dp_time - (fwd + bwd))
-    optimizer = 28 * params / 4 / HBM_BW
-    memory = {"weights": 2 * params / 4, "grads": 2 * params / 4, "optimizer": 12 * params / 4,
-              "gathered": 4 * params,        # the stage's unsharded weights and grads, bf16
-              # layer inputs (2h bytes a token) of 2 micro-batches x (1 + 1/4) in flight, plus one
-              # layer rebuilt: (12h + 4kv + 6f) / t bytes a token
+    optimizer = 28 * params / 4 / HBM_BW    # FSDP2: read fp32 shard, grad, m, v; write 3 of them
+    memory = {"weights": 4 * params / 4, "grads": 4 * params / 4, "optimizer": 8 * params / 4,
+              # the stage's unsharded bf16 weights and fp32-accumulated gradients
+              "gathered": (2 + 4) * params,
+              # layer inputs (2h/t bytes a token, sequence-sharded) of 2 micro-batches x (1 + 1/4)
+              # in flight, plus one layer rebuilt: ACT / t and the q/k/v and MLP inputs whole
               "activations": layers * tokens * 2 * H / t * 2 * (1 + (p - 1) / (p * v))
-              + tokens * (12 * H + 4 * KV + 6 * F) / t,
+              + tokens * (ACT / t + 4 * H * (t - 1) / t),
               "logits": tokens * V / t * 6}
     memory["total"] = sum(memory.values())
     return {"m": m, "compute": m * (fwd + bwd), "attention_mb": attention, "bubble": bubble,
             "bubble_fraction": (p - 1) / (v * m + p - 1), "pipeline": pipeline,
-            "tp": {"count": 6 * layers * m, "bytes": 6 * layers * m * act, "mb": tp_mb},
+            "tp": {"count": 12 * layers * m, "bytes": 12 * layers * m * act / 2, "mb": tp_mb},
             "cp": {"count": 4 * layers * m, "bytes": 4 * layers * m * kv_all / 2, "mb": cp_mb,
                    "exposed_mb": cp_exposed},
             "pp": {"count": 2 * v * m, "bytes": 2 * v * m * tokens * H * 2 / t, "mb": pp_mb},
-            "dp": {"count": 34, "bytes": 2 * 0.75 * W, "time": dp_time, "exposed": dp_exposed},
+            "dp": {"count": 34, "bytes": 0.75 * 6 * params, "time": dp_time,
+                   "exposed": dp_exposed},
             "params": params, "optimizer": optimizer, "memory": memory,
             "step": pipeline + dp_exposed + optimizer}
 
@@ -148,9 +169,11 @@ def test_every_term_of_a_layout_equals_the_formulas(layout_a):
     assert out["parameters"] == P_8B == 8_030_261_248      # the published count of Llama 3.1 8B
     assert out["flops_n"] == N_8B
     assert out["flops_per_token"] == 6 * N_8B + 12 * L * H * 16384
+    assert out["grad_reduce_dtype"] == "fp32" and out["network"] == "ib-ndr"
     assert got["layout"] == {"tp": 2, "cp": 2, "pp": 2, "v": 2, "dp": 2, "sharding": "fsdp",
                              "ac": "full", "b": 1}
     assert got["microbatches"] == want["m"] == 8 and got["dp_group"] == 4
+    assert got["shared_nic"] is False                      # CP stays inside a node
     close(got["params_per_gpu"], want["params"], "parameters per GPU")
     for key in ("compute", "attention_mb", "bubble", "bubble_fraction", "pipeline", "optimizer",
                 "step"):
@@ -172,7 +195,7 @@ def test_every_term_of_a_layout_equals_the_formulas(layout_a):
                    want["compute"] * ms], [0, 1, 1], "compute")
     assert_printed(printed(stdout, "pipeline bubble")[-2:], [want["bubble"] * ms] * 2, [1, 1],
                    "bubble")
-    for label, term, exposed in (("TP all-reduce", "tp", want["tp"]["mb"]),
+    for label, term, exposed in (("TP all-gather/reduce-scatter", "tp", want["tp"]["mb"]),
                                  ("CP ring", "cp", want["cp"]["exposed_mb"]),
                                  ("PP send", "pp", want["pp"]["mb"])):
         w = want[term]
@@ -191,8 +214,9 @@ def test_every_term_of_a_layout_equals_the_formulas(layout_a):
 
 
 # --------------------------------------------------------------------------------------------------
-# Layout B: FSDP without a pipeline gathers for every micro-batch; layout C: DDP's buckets, with
-# --overlap off (every byte exposed).
+# Layout B: FSDP without a pipeline gathers for every micro-batch, unit by unit; layout C: DDP's
+# fp32 buckets, with --overlap off (every byte exposed); layout D: FSDP over one GPU per node,
+# where NCCL may take PAT, sharing each NIC with a CP ring.
 
 LAYOUT_B = ["--model", "llama3.1-8b", "--gpus", "16", "--global-batch-tokens", "256Ki",
             "--tp", "1", "--cp", "1", "--pp", "1", "--sharding", "fsdp", "--batch-size", "1",
@@ -200,31 +224,53 @@ LAYOUT_B = ["--model", "llama3.1-8b", "--gpus", "16", "--global-batch-tokens", "
 LAYOUT_C = ["--model", "llama3.2-1b", "--gpus", "16", "--global-batch-tokens", "256Ki",
             "--tp", "1", "--cp", "1", "--pp", "1", "--sharding", "ddp", "--batch-size", "2",
             "--activation-checkpointing", "none", "--overlap", "off"]
+LAYOUT_D = ["--model", "llama3.1-8b", "--gpus", "512", "--seq-len", "16384",
+            "--global-batch-tokens", "512Ki", "--tp", "8", "--cp", "2", "--pp", "1", "--dp", "32",
+            "--sharding", "fsdp", "--batch-size", "1", "--activation-checkpointing", "none"]
 
 
-def test_fsdp_gathers_every_micro_batch_and_ddp_reduces_once_per_bucket():
+@pytest.fixture(scope="module")
+def layout_b():
+    r = run_python(SCRIPT, *LAYOUT_B, "--json-out", f"{OUT}/layout_b.json", timeout=60)
+    return r.stdout, read_json(REPO / OUT / "layout_b.json")["chosen"]
+
+
+def test_fsdp_gathers_every_micro_batch_and_ddp_reduces_fp32_buckets(layout_b):
     s, seqs = 8192, 32                      # 256Ki tokens: 32 sequences of 8192 over DP 16
     rate = PEAK * MFU
-    # 16 ranks = 2 nodes of 8: 15 ring steps, 1 of them across the network, at 8 x 50 GB/s of
-    # NICs (less than NVLink's 450).
-    r = run_python(SCRIPT, *LAYOUT_B, "--json-out", f"{OUT}/layout_b.json", timeout=60)
-    got = read_json(REPO / OUT / "layout_b.json")["chosen"]
+    # 16 ranks = 2 nodes of 8: 15 ring steps, 1 of them across the network, at NVLink's 360 GB/s
+    # (less than 8 x 46 GB/s of NICs).
+    stdout, got = layout_b
     m = seqs // 16                          # 2 micro-batches of 1 sequence
     compute_mb = s * (6 * N_8B + 12 * L * H * s) / rate
-    units = L + 1                           # one all-gather per layer, one for embedding + head
-    W = 2 * P_8B
-    ag = ring(14, 1, 15 / 16 * W / units, 8 * NIC)
-    per_mb = units * 3 * ag                 # gather for forward, again for backward, scatter
-    assert got["microbatches"] == m and got["terms"]["dp"]["count"] == 3 * units * m
+    # torchtitan's units: the embedding, 32 layers, the final norm with the output layer; each
+    # gathered (bf16) before forward and again before backward, except the output unit, which
+    # stays gathered from its forward to its backward; each gradient reduce-scattered in fp32.
+    layer, emb, head = LAYER_MATRICES + 2 * H, V * H, V * H + H
+    units = [emb] + [layer] * L + [head]
+
+    def ag(u):
+        return ring(14, 1, 15 / 16 * 2 * u, BW_NV)
+
+    def rs(u):
+        return ring(14, 1, 15 / 16 * 4 * u, BW_NV)
+
+    per_mb = sum(ag(u) + rs(u) for u in units) + sum(ag(u) for u in units[:-1])
+    mb_bytes = 15 / 16 * (6 * P_8B + 2 * (P_8B - head))
+    assert got["microbatches"] == m and got["terms"]["dp"]["count"] == (2 * 34 + 33) * m
     close(got["terms"]["dp"]["time"], m * per_mb, "FSDP time")
-    close(got["terms"]["dp"]["bytes"], m * 3 * 15 / 16 * W, "FSDP bytes")
+    close(got["terms"]["dp"]["bytes"], m * mb_bytes, "FSDP bytes")
     close(got["terms"]["dp"]["exposed"], m * max(0.0, per_mb - compute_mb), "FSDP exposed")
-    assert got["terms"]["dp"]["exposed"] == 0.0  # 0.37 s of gathers behind 1.2 s of compute
-    close(got["memory"]["gathered"], 2 * 2 * (LAYER_MATRICES + 2 * H), "two gathered layers")
-    close(got["memory"]["activations"], L * s * (12 * H + 4 * KV + 6 * F), "activations")
+    assert got["terms"]["dp"]["exposed"] == 0.0  # 0.17 s of traffic per micro-batch behind 1.2 s
+    # the largest unit (the output layer) and its neighbour in bf16, and its bf16 gradient with
+    # the fp32 copy the reduce-scatter reads
+    close(got["memory"]["gathered"], 2 * (head + layer) + (2 + 4) * head, "gathered units")
+    close(got["memory"]["weights"] + got["memory"]["grads"] + got["memory"]["optimizer"],
+          16 * P_8B / 16, "FSDP2's 16 bytes per parameter, sharded")
+    close(got["memory"]["activations"], L * s * ACT, "activations")
     close(got["step"], m * compute_mb + 28 * P_8B / 16 / HBM_BW, "FSDP step")
-    assert_printed(printed(r.stdout, "DP fsdp over 16 ranks")[-4:],
-                   [3 * units * m, m * 3 * 15 / 16 * W / 1e9, m * per_mb * 1e3, 0.0],
+    assert_printed(printed(stdout, "DP fsdp over 16 ranks")[-4:],
+                   [101 * m, m * mb_bytes / 1e9, m * per_mb * 1e3, 0.0],
                    [0, 2, 1, 1], "FSDP row")
 
     # Llama 3.2 1B (tied): 16 layers, h 2048, ffn 8192, 32 heads / 8 KV heads of 64.
@@ -233,17 +279,141 @@ def test_fsdp_gathers_every_micro_batch_and_ddp_reduces_once_per_bucket():
     out = read_json(REPO / OUT / "layout_c.json")
     got = out["chosen"]
     assert out["parameters"] == p_1b == 1_235_814_400 and out["flops_n"] == p_1b
-    W = 2 * p_1b
-    buckets = math.ceil(W / (25 * 2**20))   # 25 MiB buckets: 95
-    assert buckets == 95 and got["terms"]["dp"]["count"] == buckets
-    one = ring(28, 2, 2 * 15 / 16 * W / buckets, 8 * NIC)  # all-reduce: 2 (g-1) steps
+    W = 4 * p_1b                            # fp32 gradients
+    buckets = math.ceil(W / (25 * 2**20))   # 25 MiB buckets: 189
+    assert buckets == 189 and got["terms"]["dp"]["count"] == buckets
+    one = ring(28, 2, 2 * 15 / 16 * W / buckets, BW_NV)  # all-reduce: 2 (g-1) steps
     close(got["terms"]["dp"]["time"], buckets * one, "DDP time")
     assert got["terms"]["dp"]["exposed"] == got["terms"]["dp"]["time"]  # --overlap off
     compute = s * 2 * (6 * p_1b + 12 * 16 * 2048 * s) / rate              # 1 micro-batch of 2
-    close(got["step"], compute + buckets * one + 28 * p_1b / HBM_BW, "DDP step")
-    close(got["memory"]["total"], 16 * p_1b + 16 * 2 * s * (12 * 2048 + 4 * 512 + 6 * 8192)
+    # Adam over every parameter: read master, m, v and the fp32 gradient, write master, m, v and
+    # the bf16 weight: 30 bytes
+    close(got["step"], compute + buckets * one + 30 * p_1b / HBM_BW, "DDP step")
+    # Megatron-LM's 18 bytes per parameter (bf16 weights, fp32 gradients, fp32 master + Adam)
+    close(got["memory"]["total"], 18 * p_1b + 16 * 2 * s * (12 * 2048 + 4 * 512 + 8 * 8192)
           + 2 * s * 128256 * 6, "DDP memory")
     assert_printed(printed(r.stdout, "step")[:1], [got["step"] * 1e3], [1], "DDP step")
+
+
+def test_one_gpu_per_node_takes_pat_where_faster_and_shares_the_nic_with_cp():
+    """TP 8 fills each node, so the CP pair {0, 8} and the FSDP group over c x d = 64 ranks each
+    have one GPU per node: NCCL may run PAT for the all-gathers and reduce-scatters, and the CP
+    ring's traffic occupies the NIC that FSDP's would hide behind."""
+    run_python(SCRIPT, *LAYOUT_D, "--json-out", f"{OUT}/layout_d.json", timeout=60)
+    got = read_json(REPO / OUT / "layout_d.json")["chosen"]
+    s, t, c, m = 16384, 8, 2, 1             # 32 sequences over DP 32: one micro-batch of 1
+    rate = PEAK * MFU
+    compute = s * (6 * N_8B + 12 * L * H * s) / (t * c) / rate
+    attention = s * 12 * L * H * s / (t * c) / rate
+    # CP pair across 2 nodes: K, V of the whole sequence on this TP rank, half of it sent in one
+    # network step; PAT (2 ranks) is slower here, so a ring.
+    kv_all = s * 2 * (KV // t) * 2
+    cp_one = min(ring(0, 1, kv_all / 2, BW_NIC), pat(2, kv_all / 2, BW_NIC))
+    assert cp_one == ring(0, 1, kv_all / 2, BW_NIC)
+    cp_mb = L * 3 * cp_one                  # gathered forward and backward, dK,dV scattered
+    close(got["terms"]["cp"]["mb"], cp_mb, "CP ring")
+    # FSDP over 64 nodes, one GPU each, 46 GB/s: a ring pays 63 network steps; PAT
+    # 8 + 6 x 4 + 64 x 2.8 us and a third more bandwidth time. Each collective takes the faster.
+    layer, emb, head = LAYER_MATRICES / t + 2 * H, V * H / t, V * H / t + H
+    units = [emb] + [layer] * L + [head]
+
+    def one(nbytes):
+        sent = 63 / 64 * nbytes
+        return min(ring(0, 63, sent, BW_NIC), pat(64, sent, BW_NIC))
+
+    # the layers' bf16 gathers run PAT, their fp32 reduce-scatters and the vocabulary units ring
+    assert one(2 * layer) < ring(0, 63, 63 / 64 * 2 * layer, BW_NIC)
+    assert one(4 * layer) == ring(0, 63, 63 / 64 * 4 * layer, BW_NIC)
+    assert one(2 * head) == ring(0, 63, 63 / 64 * 2 * head, BW_NIC)
+    per_mb = sum(one(2 * u) + one(4 * u) for u in units) + sum(one(2 * u) for u in units[:-1])
+    assert got["shared_nic"] is True
+    close(got["terms"]["dp"]["time"], m * per_mb, "FSDP time with PAT")
+    # hidden behind the compute less the CP ring's time on the same NIC
+    exposed = max(0.0, per_mb - (compute - min(cp_mb, attention)))
+    assert exposed > 0.0
+    close(got["terms"]["dp"]["exposed"], exposed, "FSDP exposed, shared NIC")
+
+
+# --------------------------------------------------------------------------------------------------
+# The activation bytes per token and layer that the memory model assumes, measured: what autograd
+# saves for backward in a Llama block at Llama 3.1 8B's shapes (h 4096, 32 heads, 8 KV heads of
+# 128, ffn 14336) in bf16, counted with saved-tensor hooks on fake tensors (shapes and dtypes
+# only: no memory, no GPU). Attention and the SwiGLU MLP run on the CPU device, where
+# scaled_dot_product_attention picks its FlashAttention kernel (it saves q, k, v, the output and
+# fp32 log-sum-exp, as the CUDA one does); the RMSNorms run on the CUDA device, whose fused kernel
+# saves its bf16 input and an fp32 1/rms per token (the CPU's decomposed norm keeps fp32 copies
+# instead, which a GPU run does not).
+
+
+def saved_bytes(run, skip: set) -> int:
+    seen = {}
+
+    def pack(x):
+        key = x.untyped_storage()._cdata    # one storage counted once, however many views
+        if key not in skip:
+            seen[key] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        run()
+    return sum(seen.values())
+
+
+def llama_block_saved_bytes_per_token(h, heads, kv_heads, f, tokens) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    hd, bf = h // heads, torch.bfloat16
+    kv = kv_heads * hd
+    with FakeTensorMode():
+        def leaf(*shape, device="cpu"):
+            return torch.empty(*shape, dtype=bf, device=device, requires_grad=True)
+
+        wq, wk, wv, wo = leaf(h, h), leaf(kv, h), leaf(kv, h), leaf(h, h)
+        w1, w3, w2 = leaf(f, h), leaf(f, h), leaf(h, f)
+        cos, sin = torch.empty(tokens, hd, dtype=bf), torch.empty(tokens, hd, dtype=bf)
+        skip = {x.untyped_storage()._cdata for x in (wq, wk, wv, wo, w1, w3, w2, cos, sin)}
+        y, z = leaf(1, tokens, h), leaf(1, tokens, h)   # the normed inputs of attention, MLP
+
+        def rope(x):
+            x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+            return x * cos + torch.cat((-x2, x1), -1) * sin
+
+        def attention():
+            q = F.linear(y, wq).view(1, tokens, heads, hd).transpose(1, 2)
+            k = F.linear(y, wk).view(1, tokens, kv_heads, hd).transpose(1, 2)
+            v = F.linear(y, wv).view(1, tokens, kv_heads, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True,
+                                               enable_gqa=True)
+            assert "FlashAttention" in type(o.grad_fn).__name__
+            F.linear(o.transpose(1, 2).reshape(1, tokens, h), wo)
+
+        def mlp():
+            F.linear(F.silu(F.linear(z, w1)) * F.linear(z, w3), w2)
+
+        x, w = leaf(1, tokens, h, device="cuda"), leaf(h, device="cuda")
+
+        def norm():
+            out = F.rms_norm(x, (h,), w, 1e-5)
+            assert type(out.grad_fn).__name__ == "FusedRmsNormBackward0"
+
+        total = saved_bytes(attention, skip) + saved_bytes(mlp, skip) \
+            + 2 * saved_bytes(norm, {w.untyped_storage()._cdata})
+    assert total % tokens == 0
+    return total // tokens
+
+
+def test_activation_bytes_are_what_autograd_saves_for_a_llama_block(layout_b):
+    if not hasattr(torch.ops.aten, "_fused_rms_norm"):
+        pytest.skip(f"torch {torch.__version__} has no fused RMSNorm kernel to measure")
+    measured = llama_block_saved_bytes_per_token(H, HEADS, 8, F_, tokens=16)
+    # The script's figure, from layout B (TP 1, no recomputation, one micro-batch in flight):
+    # activations = layers x tokens x bytes per token and layer.
+    per_token = layout_b[1]["memory"]["activations"] / (L * 8192)
+    assert per_token == ACT == 12 * H + 4 * KV + 8 * F_
+    # What the model leaves out, exactly: FlashAttention's fp32 log-sum-exp (4 bytes per head)
+    # and the two norms' fp32 1/rms (4 bytes each), under 0.1% of the total. The 6f of a fused
+    # SwiGLU would be 28,672 bytes short, K and V repeated to every head 12,288 over.
+    assert measured - per_token == 4 * HEADS + 2 * 4
+    assert (measured - per_token) / measured < 1e-3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,6 +424,12 @@ LLAMA_8B = "python 05-advanced/cost_model.py --model llama3.1-8b"
 LLAMA_70B = ("python 05-advanced/cost_model.py --model llama3.1-70b "
              "--json-out runs/cost_model/70b.json")
 LLAMA_70B_DDP = "python 05-advanced/cost_model.py --model llama3.1-70b --tp 1 --pp 1 --sharding ddp"
+SCALE_8 = ("python 05-advanced/cost_model.py --model llama3.1-8b --gpus 8 --global-batch-tokens "
+           "128Ki --tp 1 --pp 1 --sharding fsdp --batch-size 2 --activation-checkpointing full "
+           "--overlap off")
+SCALE_128 = ("python 05-advanced/cost_model.py --model llama3.1-8b --gpus 128 "
+             "--global-batch-tokens 2Mi --tp 1 --pp 1 --sharding fsdp --batch-size 2 "
+             "--activation-checkpointing full --overlap off")
 TITAN_70B = ("python 05-advanced/cost_model.py --model llama3.1-70b --gpu a100-sxm-80gb "
              "--global-batch-tokens 512Ki --tp 8 --dp 8 --sharding fsdp --batch-size 8 "
              "--activation-checkpointing full")
@@ -268,8 +444,8 @@ LLAMA3_405B_LONG = ("python 05-advanced/cost_model.py --model llama3.1-405b --gp
                     "--network roce-400 --global-batch-tokens 16Mi --seq-len 131072")
 BAD_TP = "python 05-advanced/cost_model.py --model llama3.1-8b --tp 3  # exits 2"
 # LLAMA_70B runs in the test below, which also reads its JSON.
-WALKTHROUGH = [LLAMA_1B, LLAMA_8B, LLAMA_70B_DDP, TITAN_70B, LLAMA3_405B, LLAMA3_405B_PAPER,
-               LLAMA3_405B_NO_OVERLAP, LLAMA3_405B_LONG, BAD_TP]
+WALKTHROUGH = [LLAMA_1B, LLAMA_8B, LLAMA_70B_DDP, SCALE_8, SCALE_128, TITAN_70B, LLAMA3_405B,
+               LLAMA3_405B_PAPER, LLAMA3_405B_NO_OVERLAP, LLAMA3_405B_LONG, BAD_TP]
 
 
 @pytest.mark.parametrize("command", WALKTHROUGH, ids=lambda c: c[len("python 05-advanced/"):60])
@@ -278,9 +454,10 @@ def test_the_walkthrough_commands_reproduce_their_quoted_output(command):
 
 
 def test_70b_cannot_train_with_data_parallelism_alone_on_80_gb():
-    """The walkthrough's 70B run: 16 bytes per parameter of weights, gradients and Adam is 1.13 TB
-    on every GPU under DDP, more than 80 GB by far; every layout without sharding or model
-    parallelism is out, and the recommendation shards or splits."""
+    """The walkthrough's 70B run: 18 bytes per parameter of weights, fp32 gradients and Adam is
+    1.27 TB on every GPU under DDP, more than 80 GB by far; every layout without sharding or model
+    parallelism is out, and the recommendation shards or splits. Interleaved layouts all cut the
+    80 layers into equal chunks."""
     run_documented(DOC, LLAMA_70B, "runs/cost_model/70b.json")
     out = read_json(REPO / "runs/cost_model/70b.json")
     assert out["parameters"] == 70_553_706_496
@@ -288,11 +465,13 @@ def test_70b_cannot_train_with_data_parallelism_alone_on_80_gb():
              if r["layout"]["tp"] * r["layout"]["cp"] * r["layout"]["pp"] == 1
              and r["layout"]["sharding"] == "ddp"]
     assert plain and not any(r["fits"] for r in plain)
-    assert all(r["memory"] >= 16 * out["parameters"] for r in plain)
+    assert all(r["memory"] >= 18 * out["parameters"] for r in plain)
     lay = out["chosen"]["layout"]
     assert out["chosen"]["fits"] and (lay["sharding"] != "ddp" or lay["tp"] * lay["pp"] > 1)
     fastest = min(r["step"] for r in out["layouts"] if r["fits"])
     assert out["chosen"]["step"] <= fastest * 1.01  # within the model's 1% tie
+    interleaved = [r["layout"] for r in out["layouts"] if r["layout"]["v"] > 1]
+    assert interleaved and all(80 % (x["pp"] * x["v"]) == 0 for x in interleaved)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,10 +483,13 @@ def test_70b_cannot_train_with_data_parallelism_alone_on_80_gb():
     (["--pp", "3"], r"--pp 3 = 3 does not divide --gpus 64"),
     (["--tp", "8", "--pp", "2", "--dp", "8"], r"--tp 8 x --pp 2 x --dp 8 = 128 does not divide"),
     (["--tp", "8", "--cp", "1", "--pp", "2", "--dp", "2"], r"= 32, not --gpus 64"),
+    (["--pp", "4", "--virtual-stages", "3"],
+     r"--pp 4 x --virtual-stages 3 = 12 does not divide llama3.1-8b's 32 layers"),
     (["--global-batch-tokens", "1000"], r"not a whole number of sequences of --seq-len 8192"),
     (["--gpus", "12"], r"--gpus 12 is not a whole number of nodes"),
     (["--batch-size", "3"], r"no layout of 64 GPUs has --batch-size 3"),
     (["--mfu", "1.5"], r"--mfu is a fraction"),
+    (["--nic-efficiency", "1.2"], r"--nic-efficiency is a fraction"),
 ])
 def test_bad_input_exits_2_with_one_line(args, pattern):
     assert_bad_input(run_python(SCRIPT, *args, check=False, timeout=60), pattern)
@@ -316,3 +498,4 @@ def test_bad_input_exits_2_with_one_line(args, pattern):
 def test_help():
     r = run_python(SCRIPT, "--help", timeout=60)
     assert "--virtual-stages" in r.stdout and "alpha-beta" in r.stdout
+    assert "--grad-reduce-dtype" in r.stdout and "--nic-efficiency" in r.stdout
