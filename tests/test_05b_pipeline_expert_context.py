@@ -4,7 +4,8 @@ with one line.
 
 Costs are kept down by sharing launches: one sweep launch of 4 ranks measures every
 implementation, schedule and micro-batch count at p = 2 and p = 4 (the README's sweep command with
-a short list), and one worker launch of 4 ranks computes the same configurations' gradients; one
+a short list), and one worker launch of 4 ranks computes the same configurations' gradients, and
+those of the two zero-bubble schedules (whose other tests are in test_05b_zero_bubble.py); one
 MoE launch and one first-step worker launch per world size serve the equivalence and training
 checks; one ring launch and one worker launch of 4 ranks run rings of 2, 3 and 4 with both masks
 and two uneven lengths. The workers (tests/workers_05b/) import the lesson scripts and save the
@@ -74,6 +75,9 @@ SWEEP_DOC = (f"torchrun --nproc_per_node=4 {SWEEP} --microbatches 1-16 --pipelin
 PLOT_DOC = f"python {FIGURES} {LESSON}/figures/pp_sweep.json {LESSON}/figures/pp_bubble.png"
 # m = 1, 4 and 3, which neither p = 2 nor p = 4 divides.
 SWEEP_M = [1, 3, 4]
+# The zero-bubble schedules (gradient worker only): also m = 8, where zbv's formula holds at p = 4
+# (m >= 2p - 1), as zb1p's does (m >= p); m = 1 and 3 lie outside both at p = 4.
+ZERO_BUBBLE_M = SWEEP_M + [8]
 # Fixed cost: 50 ms per layer forward, 100 backward: a stage of 8 / p layers works 200 ms
 # (p = 2) or 100 ms (p = 4) per micro-batch forward, so the schedule, not the tiny model's
 # compute, sets the bubble.
@@ -105,7 +109,9 @@ def pp_gradients(tmp_path_factory):
     same m), from the worker that drives pipeline_parallel.py's Pipeline."""
     out = tmp_path_factory.mktemp("pp_grads") / "grads.pt"
     launch(torchrun_cmd(f"{WORKERS}/pp_gradients.py", "--pipeline-sizes", "2,4",
-                        "--microbatches", ",".join(map(str, SWEEP_M)), "--out", out, nproc=4),
+                        "--microbatches", ",".join(map(str, SWEEP_M)),
+                        "--zero-bubble-microbatches", ",".join(map(str, ZERO_BUBBLE_M)),
+                        "--out", out, nproc=4),
            timeout=240)
     return torch.load(out, weights_only=True)
 
@@ -113,22 +119,32 @@ def pp_gradients(tmp_path_factory):
 def test_every_schedule_gives_the_unsplit_models_loss_and_gradients(pp_sweep, pp_gradients):
     runs, checks = pp_sweep, pp_gradients
     pp = load_script(PP)
+    # the worker also runs the zero-bubble schedules (the sweep, by default, does not)
     expected = {f"p{p}/{impl}/{s}/m{m}" for p in (2, 4) for impl in ("manual", "torch")
-                for s in pp.SCHEDULES for m in SWEEP_M}
+                for s in pp.SCHEDULES + pp.ZERO_BUBBLE
+                for m in (ZERO_BUBBLE_M if s in pp.ZERO_BUBBLE else SWEEP_M)}
     # Refused by design: the hand-written code covers gpipe and 1f1b; torch's Schedule1F1B
     # needs m >= p. Everything else must have run.
     refused = {f"p{p}/manual/interleaved/m{m}" for p in (2, 4) for m in SWEEP_M} | \
+              {f"p{p}/manual/{s}/m{m}" for p in (2, 4) for m in ZERO_BUBBLE_M
+               for s in pp.ZERO_BUBBLE} | \
               {f"p{p}/torch/1f1b/m{m}" for p in (2, 4) for m in SWEEP_M if m < p}
     assert set(checks) == expected - refused
     assert {f"p{r['p']}/{r['impl']}/{r['schedule']}/m{r['m']}" for r in runs
-            if "skipped" in r} == refused
+            if "skipped" in r} == {k for k in refused if k.split("/")[2] in pp.SCHEDULES}
     for key, got in checks.items():
         torch.manual_seed(0)  # the script's --seed default: the same initial weights
         model = ResidualMLP(hidden=64, depth=8)
         x, y = classification_batch(0, 0, got["batch"])
         loss = F.cross_entropy(model(x), y)  # the whole batch at once, no pipeline
         loss.backward()
+        # one rank returns the loss: the last stage's, rank p - 1, or rank 0 for zbv's V
+        p = int(key.split("/")[0][1:])
+        assert got["loss_ranks"] == ([0] if "/zbv/" in key else [p - 1]), key
         assert got["loss"] == pytest.approx(loss.item(), rel=RTOL, abs=ATOL), key
+        # The gradients themselves, not weights after an AdamW step, which divides each by
+        # sqrt(v) and would hide a gradient off by a constant factor (a stage's weight
+        # gradients doubled by its W pass, say).
         assert_state_dicts_close(got["grads"], {n: q.grad for n, q in model.named_parameters()},
                                  rtol=RTOL, atol=ATOL, msg=key)
 
@@ -189,7 +205,7 @@ DIAGRAM_DOCS = {
     "1f1b": "torchrun --nproc_per_node=4 05-advanced/b-pipeline-expert-context/pipeline_parallel.py"
             " --schedule 1f1b --microbatches 4 --steps 2",
 }
-OP = re.compile(r"^([FB])(\d+)(?:s(\d+))?$")
+OP = re.compile(r"^([FBW])(\d+)(?:s(\d+))?$")
 
 
 def printed_schedule(stdout: str) -> list[str]:
@@ -204,11 +220,13 @@ def printed_schedule(stdout: str) -> list[str]:
     return rows
 
 
-def check_schedule(rows: list[str], p: int, m: int, stages: int) -> int:
-    """A drawn schedule: every rank runs the forward and backward of each micro-batch on each of
-    its stages exactly once, one op per slot, and no op comes before its input: F_i on stage s
-    after F_i on stage s - 1, B_i on stage s after B_i on stage s + 1, B_i on the last stage
-    after F_i there. Returns its length in slots."""
+def check_schedule(rows: list[str], p: int, m: int, stages: int, kinds: str = "FB",
+                   on_rank=lambda s, p: s % p) -> int:
+    """A drawn schedule: every rank runs the forward and backward (zero bubble: B and W) of each
+    micro-batch on each of its stages (stage s on rank on_rank(s, p)) exactly once, one op per
+    slot, and no op comes before its input: F_i on stage s after F_i on stage s - 1, B_i on stage
+    s after B_i on stage s + 1, B_i on the last stage after F_i there, W_i after B_i. Returns its
+    length in slots."""
     assert [r.split()[:2] for r in rows] == [["rank", str(r)] for r in range(p)], rows
     at = {}
     for rank, row in enumerate(rows):
@@ -219,14 +237,16 @@ def check_schedule(rows: list[str], p: int, m: int, stages: int) -> int:
             op = (kind, rank if stage is None else int(stage), int(mb))
             assert op not in at, f"{op} drawn twice"
             at[op] = slot
-            assert op[1] % p == rank, f"stage {op[1]} drawn on rank {rank}"
-    assert set(at) == {(k, s, i) for k in "FB" for s in range(stages) for i in range(m)}, rows
+            assert on_rank(op[1], p) == rank, f"stage {op[1]} drawn on rank {rank}"
+    assert set(at) == {(k, s, i) for k in kinds for s in range(stages) for i in range(m)}, rows
     for (kind, s, i), slot in at.items():
         if kind == "F" and s > 0:
             assert slot > at[("F", s - 1, i)], (kind, s, i)
         if kind == "B":
             assert slot > (at[("B", s + 1, i)] if s < stages - 1 else at[("F", s, i)]), \
                 (kind, s, i)
+        if kind == "W":
+            assert slot > at[("B", s, i)], (kind, s, i)
     return 1 + max(at.values())
 
 
@@ -244,12 +264,24 @@ def test_the_printed_schedule_respects_every_dependency_and_lasts_2_m_plus_p_min
 def test_every_configurations_drawn_schedule_respects_its_dependencies(pp_gradients):
     """The order each rank ran its ops in, for every implementation, schedule, p and m of the
     worker, drawn by the script's draw_schedule: GPipe and 1F1B last 2 (m + p - 1) slots, the
-    interleaved schedule 2 (v m + p - 1) when p divides m (whole rounds)."""
+    interleaved schedule 2 (v m + p - 1) when p divides m (whole rounds); zero bubble runs W after
+    B, zbv's stages lie in a V (rank r: r and 2p - 1 - r), and zb1p lasts 3m + p - 1 slots, zbv
+    6m + p - 1, where formula_holds says so (m >= p, m >= 2p - 1), longer where it does not."""
     pp = load_script(PP)
     for key, got in pp_gradients.items():
         size, _, schedule, micro = key.split("/")  # p{p}/{impl}/{schedule}/m{m}
         p, m, stages = int(size[1:]), int(micro[1:]), got["stages"]
         rows = pp.draw_schedule(got["orders"], stages).splitlines()
+        if schedule in pp.ZERO_BUBBLE:
+            length = check_schedule(rows, p, m, stages, kinds="FBW",
+                                    on_rank=lambda s, p: min(s, 2 * p - 1 - s) if
+                                    schedule == "zbv" else s)
+            slots = {"zb1p": 3 * m + p - 1, "zbv": 6 * m + p - 1}[schedule]
+            if pp.formula_holds(schedule, p, m):
+                assert length == slots, (key, rows)
+            else:  # the script marks the formula with a *
+                assert length > slots, (key, rows)
+            continue
         length = check_schedule(rows, p, m, stages)
         if schedule != "interleaved":
             assert length == 2 * (m + p - 1), (key, rows)

@@ -1,8 +1,10 @@
 """Dropless mixture of experts (MegaBlocks, Gale et al., MLSys 2023, arXiv 2211.15841): no
 capacity, no dropped token. Each rank counts its tokens per expert, the counts travel in one
-all-to-all, and then the tokens themselves in an all-to-all of uneven sizes, so every expert runs
-on exactly the tokens routed to it, however many; the results come back by the reverse
-all-to-all.
+all-to-all, and then the tokens themselves in an all-to-all of uneven sizes; every expert runs on
+all the tokens that arrive for it, however many, and the results come back by the reverse
+all-to-all. The uneven all-to-alls alone do not make it dropless: MegaBlocks' capacity-based
+layer (ParallelMLP) sends the same routed rows and drops those past capacity where they arrive;
+its dropless layer (dmoe.ParallelDroplessMLP) runs experts that take any number of rows.
 
 Launch (from the repository root):
     python 05-advanced/b-pipeline-expert-context/moe_dropless.py                # all 8 experts
@@ -24,8 +26,9 @@ differs. On rank r, with N tokens, E experts over W ranks (E / W each), top-k ro
 
 Nothing is padded and nothing is dropped: in all-to-all #1 a rank sends its rows routed to other
 ranks' experts, in #2 the results of the rows other ranks sent it, d values a row: numbers set by
-the routing, where the capacity version sends its fixed slots. Beside each step the script counts what expert_parallel.py's capacity rule would have
-dropped from the same routing. The backward of an uneven all-to-all is the all-to-all with the
+the routing, where expert_parallel.py's capacity version sends its fixed slots. Beside each step
+the script counts what expert_parallel.py's capacity rule would have dropped from the same
+routing. The backward of an uneven all-to-all is the all-to-all with the
 sizes swapped; the count all-to-all needs none (counts carry no gradient).
 """
 

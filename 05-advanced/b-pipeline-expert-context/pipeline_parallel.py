@@ -16,6 +16,10 @@ Launch (from the repository root, with D=05-advanced/b-pipeline-expert-context):
 The stages compute almost nothing (a toy model on a CPU), so every layer sleeps a simulated compute
 time, --layer-ms per micro-batch forward (10 ms by default; a backward twice as long): then
 compute, not the transfers, sets the step, as on GPUs running a real model, where the flag is 0.
+The boxes of the timeline are read on the host clock. On CUDA the host only queues kernels, and an
+NCCL receive makes the stream wait, not the host, so each box boundary first waits for the stream
+(device_done below): a box then starts when its input has arrived and ends when its work is done,
+and the host's sleep, after that wait, adds to the compute as a kernel of that length would.
 
 After its last step the script prints the schedule it ran: each rank's forwards (F) and
 backwards (B) of the m micro-batches, in the order the rank ran them, one slot per F or B and each
@@ -34,12 +38,16 @@ transfers.
 Zero bubble (Qi et al. 2023, arXiv 2401.10241) splits each backward in two: B, the gradient of the
 stage's input, which the previous stage waits for, and W, the gradient of its weights, which nobody
 waits for and which fills the idle slots. With F, B and W of equal cost (one matmul per linear
-layer each): zb1p (torch's ScheduleInterleavedZeroBubble, one stage per rank: the paper's ZB-H1)
-idles (p - 1)(t_F + t_B - t_W), a share (p - 1) / (3 m + p - 1), a third of 1F1B's idle time;
-zbv (ScheduleZBVZeroBubble, the paper's ZB-V) gives each rank two stages of half the layers in a
-V, rank r holding stages r and 2p - 1 - r, and leaves only the start-up skew of its first
-forwards: (p - 1) / (6 m + p - 1) for m >= 2p - 1, zero in the paper's count, which starts each
-rank's step at its first box.
+layer each), zb1p idles (p - 1)(t_F + t_B - t_W), a share (p - 1) / (3 m + p - 1) for m >= p, a
+third of 1F1B's idle time. It is torch's ScheduleInterleavedZeroBubble with one stage per rank.
+Its docstring names the paper's ZB1P, what the paper's automatic scheduler finds (section 3); with
+one stage per rank and equal costs it runs the pattern of the paper's handcrafted ZB-H1 (section
+2.1): rank r runs each W r micro-batches after its B. zbv (ScheduleZBVZeroBubble, the paper's
+ZB-V) gives each rank two stages of half the layers in a V, rank r holding stages r and
+2p - 1 - r, and leaves only the start-up skew of its first forwards: (p - 1) / (6 m + p - 1) for
+m >= 2p - 1, zero in the paper's count, which measures each rank from its first box to its last.
+Outside those ranges a schedule can run longer than its formula says, and the script marks the
+formula with a *.
 
 Communication: the only traffic is point to point between neighbours: stage s sends its output
 activation (rows, hidden) to stage s + 1, and receives d(loss)/d(output) of the same shape back.
@@ -313,8 +321,9 @@ def torch_schedule(stages, schedule: str, p: int, m: int, rows: int, hidden: int
                                     requires_grad=st.embed is None),),
             output_args=(torch.empty(rows, width_out, device=device, requires_grad=True),),
             group=group))
-    # ScheduleInterleavedZeroBubble with one stage per rank is the paper's ZB-H1 ("ZB1P" in its
-    # docstring); ScheduleZBVZeroBubble maps stages to ranks in a V itself (it needs exactly 2).
+    # ScheduleInterleavedZeroBubble: "ZB1P" in its docstring, the paper's automatically scheduled
+    # ZB-1p; with one stage per rank and F = B = W it runs the handcrafted ZB-H1's pattern.
+    # ScheduleZBVZeroBubble maps stages to ranks in a V itself (it needs exactly 2).
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
            "zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[schedule]
     # torch >= 2.7 divides gradients by m unless scale_grads=False; older versions never do.
@@ -336,7 +345,8 @@ def bubble_formula(schedule: str, p: int, v: int, m: int) -> tuple[float, str]:
     Interleaved: stages v times shorter fill the pipe (p dividing m). zb1p: (p - 1)(t_F + t_B -
     t_W) idle (Qi et al., table 2, ZB-H1) of 3 m t_F busy, for m >= p. zbv: two stages of t_F / 2
     per rank and no idle slot from a rank's first box to its last; only the skew of the first
-    forwards, r t_F / 2 before rank r starts and p - 1 - r after it ends, for m >= 2p - 1."""
+    forwards, r t_F / 2 before rank r starts and p - 1 - r after it ends, for m >= 2p - 1.
+    Where these ranges end: formula_holds."""
     if schedule == "interleaved":
         return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
     if schedule == "zb1p":
@@ -344,6 +354,18 @@ def bubble_formula(schedule: str, p: int, v: int, m: int) -> tuple[float, str]:
     if schedule == "zbv":
         return (p - 1) / (6 * m + p - 1), "(p-1)/(6m+p-1)"
     return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+
+
+# Where bubble_formula is the schedule's step; outside, the schedule can run longer (the drawing
+# counts its slots). GPipe and 1F1B: every m. Interleaved: whole rounds of p micro-batches. Zero
+# bubble: the drawn schedules of torch's ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble
+# last 3m + p - 1 and 6m + p - 1 slots from these m on, and longer below (zb1p at p = 4, m = 3:
+# 13 slots, not 12; zbv at p = 4, m = 4: 30, not 27).
+FORMULA_RANGE = {"interleaved": "p divides m", "zb1p": "m >= p", "zbv": "m >= 2p - 1"}
+
+
+def formula_holds(schedule: str, p: int, m: int) -> bool:
+    return {"interleaved": m % p == 0, "zb1p": m >= p, "zbv": m >= 2 * p - 1}.get(schedule, True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -492,6 +514,17 @@ class _Saved:
         self.meter.release(self.key)
 
 
+def device_done(device):
+    """Block the host until this thread's stream has run what was queued on it. On CUDA the host
+    only queues kernels, and an NCCL receive's wait() makes the stream wait, not the host: a box
+    timed on the host clock without this would measure the queueing. Only this stream: a device-
+    wide synchronize would also wait for sends still posted to a peer that has not reached its
+    receive, turning the library's asynchronous sends into blocking ones. On CPU (gloo) the work
+    is done when the call returns: nothing to do."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 class Recorder:
     """This rank's view of one step: compute intervals (kind, stage, micro-batch, start, end) in
     seconds since the step started, the micro-batches whose activations are held, and the bytes."""
@@ -533,7 +566,8 @@ class MeasuredStage(Stage):
     do not compete for them) so the bubble can be measured. A backward box opens when the
     gradient of the stage's output arrives and closes when the gradient of its input leaves: an
     _OnBackward marker at each end of the stage. A split backward (zero bubble) is two boxes: B,
-    here, and W, recorded by MeasuredPipelineStage."""
+    here, and W, recorded by MeasuredPipelineStage. Every box boundary first waits for the device
+    (device_done): the box opens once its input has arrived and closes once its work is done."""
 
     def __init__(self, model: ResidualMLP, index: int, num_stages: int, layer_ms: float,
                  recorder: Recorder):
@@ -550,19 +584,26 @@ class MeasuredStage(Stage):
     def forward(self, x):
         rec = self.recorder
         mb = rec.forwards[self.index] = rec.forwards.get(self.index, -1) + 1  # in order 0..m-1
+        device_done(self.anchor.device)  # on CUDA: the received activation is there
         start = rec.now()
         # bwd: the gradient leaves the stage here, last of all: that closes this backward box
         x = _OnBackward.apply(x, self.anchor, lambda: self._backward_done(mb))
         with torch.autograd.graph.saved_tensors_hooks(rec.meter.pack, rec.meter.unpack):
             h = super().forward(x)
+        device_done(self.anchor.device)
         time.sleep(self.cost_s)
         rec.events.append(("F", self.index, mb, start, rec.now()))
         rec.held += 1
         rec.peak_held = max(rec.peak_held, rec.held)
         # bwd: the gradient of the output arrives here first: that opens the backward box
-        return _OnBackward.apply(h, self.anchor, lambda: self.bwd_start.update({mb: rec.now()}))
+        return _OnBackward.apply(h, self.anchor, lambda: self._backward_arrived(mb))
+
+    def _backward_arrived(self, mb):
+        device_done(self.anchor.device)  # on CUDA: the received gradient is there
+        self.bwd_start[mb] = self.recorder.now()
 
     def _backward_done(self, mb):
+        device_done(self.anchor.device)
         # A backward costs about two forwards: per linear layer, a forward makes one matmul
         # (x W^T), a backward two (dx = dy W for B, dW = dy^T x for W). Split, B is one of them.
         time.sleep((1 if self.split else 2) * self.cost_s)
@@ -587,10 +628,12 @@ class MeasuredPipelineStage(PipelineStage):
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         st, rec = self.submod, self.submod.recorder
+        device_done(st.anchor.device)
         start, recorded = rec.now(), len(rec.events)
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         if len(rec.events) > recorded:  # the first stage: its B box was recorded just now
             start = rec.events[-1][4]
+        device_done(st.anchor.device)
         time.sleep(st.cost_s)
         rec.events.append(("W", st.index, bwd_chunk_id, start, rec.now()))
         rec.held -= 1
@@ -638,12 +681,17 @@ def report_run(args, d, pipe, optimizer, losses, samples_per_s):
     weights = merge(report.gather(pipe.full_state()))
     bubble = sum(r["bubble"] for r in per_rank) / d.world_size
     formula, written = pipe.formula()
-    # the measured bubble is a timing (marked `~`); the formula's value is exact
+    holds = formula_holds(args.schedule, d.world_size, pipe.m)
+    # the measured bubble is a timing (marked `~`); the formula's value is exact (where it holds)
     report.print0(f"last step: bubble ~{bubble:.3f} measured (mean over ranks) vs "
-                  f"{formula:.3f} = {written} | "
+                  f"{formula:.3f} = {written}{'' if holds else '*'} | "
                   f"micro-batches held per rank {[r['peak_held_microbatches'] for r in per_rank]}"
                   f" | peak activations per rank (KiB) "
                   f"{[round(r['peak_activation_bytes'] / 1024, 1) for r in per_rank]}")
+    if not holds:
+        report.print0(f"* the formula holds for {FORMULA_RANGE[args.schedule]}, not at p = "
+                      f"{d.world_size}, m = {pipe.m}: this schedule can take longer (the drawing "
+                      "below counts its slots)")
     if args.schedule in ZERO_BUBBLE:
         report.print0("last step's schedule: one slot per forward F, input gradient B and weight "
                       "gradient W (each costs a forward), each as early as its input allows")
@@ -657,7 +705,7 @@ def report_run(args, d, pipe, optimizer, losses, samples_per_s):
         losses=losses, samples_per_s=samples_per_s, per_rank=per_rank, schedule=args.schedule,
         impl=args.impl, pipeline_stages=d.world_size * pipe.v, virtual_stages=pipe.v,
         microbatches=pipe.m, layers=args.layers, layer_ms=args.layer_ms, bubble=bubble,
-        bubble_formula=formula)
+        bubble_formula=formula, bubble_formula_holds=holds)
     report.finish(args, metrics, weights)
 
 

@@ -13,7 +13,9 @@ For each p, implementation (manual, torch), schedule (by default gpipe, 1f1b, in
 v = 2) and m: one untimed warm-up step, then one measured step of pipeline_parallel.py's Pipeline,
 with the simulated compute time of --layer-ms, on a batch of m micro-batches of 4 rows. A
 pipeline of p < world ranks runs on ranks 0..p-1 while the others wait for it. Combinations the
-schedule refuses (torch's 1F1B with m < p, for one) are listed as skipped, with the reason.
+schedule refuses (torch's 1F1B with m < p, for one) are listed as skipped, with the reason; a
+formula outside its range (pipeline_parallel.formula_holds: interleaved with p not dividing m,
+zb1p with m < p, zbv with m < 2p - 1) is marked with a *.
 """
 
 import argparse
@@ -24,11 +26,13 @@ import torch.distributed as dist
 from dtcourse import cli, launch, report
 from dtcourse.data import classification_batch
 from pipeline_parallel import (
+    FORMULA_RANGE,
     SCHEDULES,
     ZERO_BUBBLE,
     Pipeline,
     add_model_args,
     bubble_formula,
+    formula_holds,
     too_few_layers,
     unsupported,
     virtual_stages,
@@ -59,7 +63,8 @@ def measure(args, d, p: int, group, impl: str, schedule: str, m: int):
     per_rank = [r for r in report.gather(mine) if r is not None]
     bubble = sum(r["bubble"] for r in per_rank) / p
     return {"p": p, "impl": impl, "schedule": schedule, "m": m, "v": v, "bubble": bubble,
-            "formula": bubble_formula(schedule, p, v, m)[0], "per_rank": per_rank}
+            "formula": bubble_formula(schedule, p, v, m)[0],
+            "formula_holds": formula_holds(schedule, p, m), "per_rank": per_rank}
 
 
 def sweep(args, d):
@@ -76,10 +81,15 @@ def sweep(args, d):
         bar.update(1)
         if d.rank == 0 and "skipped" not in r:
             bar.write(f"{impl:6s} {schedule:11s} p={p} v={r['v']} m={m:2d} | bubble ~"
-                      f"{r['bubble']:.3f} measured, {r['formula']:.3f} formula | held "
+                      f"{r['bubble']:.3f} measured, {r['formula']:.3f}"
+                      f"{'' if r['formula_holds'] else '*'} formula | held "
                       f"{[x['peak_held_microbatches'] for x in r['per_rank']]} | rank 0 "
                       f"activations {r['per_rank'][0]['peak_activation_bytes'] / 1024:.1f} KiB")
     bar.close()
+    outside = sorted({r["schedule"] for r in rows if not r.get("formula_holds", True)})
+    if outside:
+        report.print0("* outside the formula's range (" + "; ".join(
+            f"{s}: {FORMULA_RANGE[s]}" for s in outside) + "): the schedule can take longer")
     for r in rows:
         if "skipped" in r:
             report.print0(f"skipped {r['impl']} {r['schedule']} p={r['p']} m={r['m']}: "

@@ -1,10 +1,12 @@
 """Test worker (launched by tests/test_05b_pipeline_expert_context.py with torchrun at world size
-4): one step of every implementation and schedule of pipeline_parallel.py's Pipeline, for each
-pipeline size p (on ranks 0..p-1, the others waiting) and micro-batch count m, with micro-batches
-of 4 rows. Rank 0 saves, for every configuration the script accepts, the loss and the gradients
-of the whole model gathered from the stages, keyed 'p{p}/{impl}/{schedule}/m{m}', and the order in
-which each rank ran its forwards and backwards (what the script draws as the step's schedule); the
-test compares the gradients with the unsplit model's and checks the drawn schedules.
+4): one step of every implementation and schedule of pipeline_parallel.py's Pipeline, the
+zero-bubble ones included, for each pipeline size p (on ranks 0..p-1, the others waiting) and
+micro-batch count m, with micro-batches of 4 rows. Rank 0 saves, for every configuration the
+script accepts, the loss, the ranks that returned one, the gradients of the whole model gathered
+from the stages, keyed 'p{p}/{impl}/{schedule}/m{m}', and the order in which each rank ran its
+forwards, backwards and (zero bubble) weight gradients (what the script draws as the step's
+schedule); the test compares the gradients with the unsplit model's and checks the drawn
+schedules.
 """
 
 import argparse
@@ -41,27 +43,32 @@ def one_config(model_args, d, p, group, impl, schedule, m):
         order = pp.ran(pipe.recorder.events)
     parts = report.gather(grads)
     orders = report.gather(order)[:p]
-    # the loss lives on the last stage of the pipeline, rank p - 1
-    held = loss.reshape(1) if loss is not None else torch.zeros(1, device=d.device)
-    dist.broadcast(held, src=p - 1)
-    return {"loss": held.item(), "batch": batch, "grads": pp.merge(g for g in parts if g),
-            "orders": orders, "stages": p * v}
+    # The loss lives on the rank that holds the last stage: p - 1, but rank 0 for zbv (its V
+    # ends where it starts). Every rank reports what it returned, so the test sees which one.
+    losses = report.gather(None if loss is None else loss.item())
+    held = [r for r, value in enumerate(losses) if value is not None]
+    return {"loss": losses[held[0]] if held else None, "loss_ranks": held, "batch": batch,
+            "grads": pp.merge(g for g in parts if g), "orders": orders, "stages": p * v}
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--pipeline-sizes", required=True)
     p.add_argument("--microbatches", required=True)
+    p.add_argument("--zero-bubble-microbatches", help="m for zb1p and zbv (default: the same)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     model_args = pp.parse_args([])  # the script's defaults: seed 0, 8 layers, hidden 64
+    counts = {s: [int(m) for m in args.microbatches.split(",")] for s in pp.SCHEDULES}
+    counts.update({s: [int(m) for m in (args.zero_bubble_microbatches or args.microbatches)
+                       .split(",")] for s in pp.ZERO_BUBBLE})
     checks = {}
     with launch.distributed("cpu", 120) as d:
         for size in map(int, args.pipeline_sizes.split(",")):
             group = dist.new_group(list(range(size))) if size < d.world_size else None
             for impl in ("manual", "torch"):
-                for schedule in pp.SCHEDULES:
-                    for m in map(int, args.microbatches.split(",")):
+                for schedule, ms in counts.items():
+                    for m in ms:
                         got = one_config(model_args, d, size, group, impl, schedule, m)
                         if got is not None:
                             checks[f"p{size}/{impl}/{schedule}/m{m}"] = got
