@@ -251,22 +251,24 @@ def report_run(args, d, model, optimizer, losses, samples_per_s, last_totals):
 # Arguments and launch
 
 
-def parse_args(argv=None):
-    p = cli.parser(__doc__)
+def add_moe_args(p, capacity_help="slots per expert = ceil(k * group_size * factor / E)",
+                 group_help="S: tokens that share one capacity budget (a rank holds whole groups)"):
+    """The flags of the MoE layer (moe_dropless.py takes the same ones)."""
     cli.add_run_args(p)
     cli.add_train_args(p, steps=20, batch_size=64, lr=3e-3, grad_accum=False,
                        batch_help="tokens per rank per step (each rank routes its own tokens)")
     cli.add_output_args(p)
     p.add_argument("--experts", type=int, default=8, help="E: experts, divided among the ranks")
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
-    p.add_argument("--capacity-factor", type=float, default=1.25,
-                   help="slots per expert = ceil(k * group_size * factor / E)")
-    p.add_argument("--group-size", type=int, default=16,
-                   help="S: tokens that share one capacity budget (a rank holds whole groups)")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help=capacity_help)
+    p.add_argument("--group-size", type=int, default=16, help=group_help)
     p.add_argument("--aux-weight", type=float, default=0.01, help="load-balancing loss weight")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--ffn", type=int, default=128, help="width of each expert's MLP")
-    args = p.parse_args(argv)
+
+
+def check_moe_args(args):
+    """Bad degrees end every rank with one line, before any process group exists."""
     cli.check_positive(args, "experts", "top_k", "group_size", "hidden", "ffn", "steps",
                        "batch_size", "capacity_factor", "lr", "timeout_s")
     if args.aux_weight < 0:
@@ -281,6 +283,12 @@ def parse_args(argv=None):
         cli.fail(f"--experts {args.experts} is not divisible by the world size {world}: every "
                  f"rank must hold the same number of experts")
     return args
+
+
+def parse_args(argv=None):
+    p = cli.parser(__doc__)
+    add_moe_args(p)
+    return check_moe_args(p.parse_args(argv))
 
 
 def main(argv=None):

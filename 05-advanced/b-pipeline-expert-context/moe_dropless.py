@@ -207,36 +207,12 @@ def report_run(args, d, model, optimizer, history, samples_per_s, padded):
 
 def parse_args(argv=None):
     p = cli.parser(__doc__)
-    cli.add_run_args(p)
-    cli.add_train_args(p, steps=20, batch_size=64, lr=3e-3, grad_accum=False,
-                       batch_help="tokens per rank per step (each rank routes its own tokens)")
-    cli.add_output_args(p)
-    p.add_argument("--experts", type=int, default=8, help="E: experts, divided among the ranks")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token")
-    p.add_argument("--capacity-factor", type=float, default=1.25,
-                   help="only for the comparison: the capacity version's slots per expert, "
-                        "ceil(k * group_size * factor / E), and the tokens it would drop")
-    p.add_argument("--group-size", type=int, default=16,
-                   help="S: tokens per group of the load-balancing loss and of the capacity "
-                        "comparison (a rank holds whole groups)")
-    p.add_argument("--aux-weight", type=float, default=0.01, help="load-balancing loss weight")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--ffn", type=int, default=128, help="width of each expert's MLP")
-    args = p.parse_args(argv)
-    cli.check_positive(args, "experts", "top_k", "group_size", "hidden", "ffn", "steps",
-                       "batch_size", "capacity_factor", "lr", "timeout_s")
-    if args.aux_weight < 0:
-        cli.fail(f"--aux-weight must be >= 0, got {args.aux_weight:g}")
-    if args.top_k > args.experts:
-        cli.fail(f"--top-k {args.top_k} is larger than --experts {args.experts}")
-    if args.batch_size % args.group_size:
-        cli.fail(f"--batch-size {args.batch_size} is not a multiple of --group-size "
-                 f"{args.group_size}: a rank holds whole groups")
-    world = launch.launched().world_size  # before any process group: every rank fails alike
-    if args.experts % world:
-        cli.fail(f"--experts {args.experts} is not divisible by the world size {world}: every "
-                 f"rank must hold the same number of experts")
-    return args
+    ep.add_moe_args(
+        p, capacity_help="only for the comparison: the capacity version's slots per expert, "
+                         "ceil(k * group_size * factor / E), and the tokens it would drop",
+        group_help="S: tokens per group of the load-balancing loss and of the capacity "
+                   "comparison (a rank holds whole groups)")
+    return ep.check_moe_args(p.parse_args(argv))
 
 
 def main(argv=None):
