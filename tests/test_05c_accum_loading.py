@@ -3,7 +3,9 @@ a page-aligned record file read in a quasi-random order (05-advanced/c-data-para
 
 Three launches, each a command the README shows, run verbatim by `run_documented` (which also
 re-checks the output the README quotes under it); the files they write serve every test below.
-The record format itself (page alignment, padding, reading back bit for bit) is checked in this
+Besides the one-process run, the token-normalised weights are compared with a reference written
+out in this file (a plain token mean and SGD, no DDP, no script code but the data). The record
+format itself (page alignment, padding, reading back bit for bit) is checked in this
 process through the script's own functions, on a small dataset.
 """
 
@@ -12,7 +14,10 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import REPO, load_export, load_script, read_json, run_documented
+
+from dtcourse.models import MLP
 
 LESSON = "05-advanced/c-data-parallel-techniques"
 README = REPO / LESSON / "README.md"
@@ -37,10 +42,11 @@ WORLD, MICRO, ACCUM_STEPS, SEQ_LEN, SEQUENCES = 2, 8, 4, 16, 64
 # another grouping (per micro-batch and rank, then DDP's all-reduce, against one sum) and scale by
 # 1/N at another point (each micro-step's loss against the one loss), so their gradients differ by
 # a few float32 ulps (relative 6e-8 each): measured, the weights after 20 SGD steps at lr 0.1 (of
-# magnitude up to 0.18) differ by at most 1.5e-8. 1e-5 relative + 1e-6 absolute leaves a margin
-# of ~60x. A real bug moves them far more: the micro-batch-mean way, the bug of this lesson, moved
-# every tensor by at least 1.1e-4 (100x the tolerance), and a count that missed one rank's tokens
-# would double the step.
+# magnitude up to 0.18) differ by at most 1.5e-8 (3e-8 from the reference written in this file).
+# 1e-5 relative + 1e-6 absolute leaves a margin of ~60x. A real bug moves them far more: the
+# micro-batch-mean way, the bug of this lesson, moved every tensor by at least 40x that tolerance
+# (the smallest case: net.0.bias, 1.09e-4 against 1e-6 + 1e-5 x 0.175 = 2.75e-6; the output bias
+# moved 695x), and a count that missed one rank's tokens would double the step.
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -76,10 +82,47 @@ def test_token_normalised_accumulation_equals_one_process(varlen):
         assert abs(float(a) - float(b)) <= 1.01e-4, (a, b)
 
 
+def plain_token_mean_sgd(lesson, steps: int = 20, hidden: int = 64, lr: float = 0.1):
+    """The reference written out here, with none of the script's training code: one process, no
+    DDP, no accumulation, the global batch of each step as one batch, and its loss the plain mean
+    of the cross-entropy over every real token (F.cross_entropy's default reduction, which skips
+    the padding label -100). Only the data come from the script: the batch of step t is the course's
+    pure function of (seed, t). The scripts' defaults: seed 0, MLP(64), SGD lr 0.1, 20 steps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the launched runs (OMP_NUM_THREADS=1); on a busy 2-core machine
+    try:                      # two threads took 60x longer
+        torch.manual_seed(0)
+        model = MLP(hidden)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        for step in range(steps):
+            x, y = lesson.padded_token_batch(0, step, SEQUENCES, SEQ_LEN)  # (64, 16, 32), (64, 16)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # mean over real tokens
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return {name: w.detach() for name, w in model.state_dict().items()}
+
+
+def test_token_normalised_accumulation_equals_a_plain_token_mean_written_here(varlen):
+    lesson = load_script(ACCUM)
+    assert lesson.IGNORE == -100  # F.cross_entropy's default ignore_index
+    reference = plain_token_mean_sgd(lesson)
+    for name, weight in reference.items():
+        torch.testing.assert_close(varlen["tokens"][name], weight, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, n=name: f"tokens vs plain token mean, {n}: {m}")
+    # The same reference tells the bug apart: the micro-batch-mean export misses it in every
+    # tensor by more than 10x the tolerance.
+    for name, weight in reference.items():
+        moved = (varlen["microbatch"][name] - weight).abs().max().item()
+        assert moved > 10 * (ATOL + RTOL * weight.abs().max().item()), (name, moved)
+
+
 def test_microbatch_means_differ_from_one_process_by_more_than_rounding(varlen):
     reference, wrong = varlen["reference"], varlen["microbatch"]
-    # Every tensor moves by more than 10x the tolerance (measured: at least 1.1e-4, up to 1.6e-3
-    # in the output bias), so the equality above is a claim that could fail.
+    # Every tensor moves by more than 10x the tolerance (measured: at least 40x, 1.1e-4, up to
+    # 1.6e-3 in the output bias), so the equality above is a claim that could fail.
     for name, weight in reference.items():
         moved = (wrong[name] - weight).abs().max().item()
         assert moved > 10 * (ATOL + RTOL * weight.abs().max().item()), (name, moved)
@@ -177,8 +220,14 @@ def test_cold_reads_start_from_an_empty_page_cache(records):
     pages = IMAGES * 3 * 64 * 64 // 4096  # 12288 bytes per 64x64 RGB image: exactly 3 pages
     for row in rows.values():
         assert row["pages"] == pages
-        assert row["cold_cached_pages"] == 0, row  # posix_fadvise(DONTNEED) dropped them all
-        assert row["warm_cached_pages"] == pages, row  # the cold epoch read the whole file
+        # Each of the 5 repeats (--read-repeats): posix_fadvise(DONTNEED) dropped every page
+        # before the cold epoch, and the cold epoch read the whole file before the warm one.
+        assert row["cold_cached_pages_runs"] == [0] * 5, row
+        assert row["warm_cached_pages_runs"] == [pages] * 5, row
+        assert (row["cold_cached_pages"], row["warm_cached_pages"]) == (0, pages)
+        # The printed times are the medians of the repeats.
+        assert row["cold_s"] == pytest.approx(np.median(row["cold_s_runs"]))
+        assert row["warm_s"] == pytest.approx(np.median(row["warm_s_runs"]))
     # Quasi-random: a batch of 16 is two whole blocks of 8, so each one is read with one pread.
     assert rows["records", "quasi-random"]["reads_per_rank"] == [IMAGES // 2 // BLOCK] * 2
     # Random order: one pread per record, except where two of a batch happen to be neighbours.

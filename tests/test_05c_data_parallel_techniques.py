@@ -296,17 +296,28 @@ def test_profiler_traces_and_summary(tmp_path):
         trace = json.loads((tmp_path / "traces" / f"trace_rank{rank}.json").read_text())
         names = {e.get("name", "") for e in trace["traceEvents"]}
         assert any("all_reduce" in n for n in names), f"rank {rank}: no all_reduce op in trace"
-        assert {"forward", "backward", "allreduce"} <= names
+        assert {"forward", "backward", "barrier", "allreduce"} <= names
         fractions = summary["per_rank"][rank]["fractions"]
         assert abs(sum(fractions.values()) - 1) < 1e-9
         # `other` >= 0: the labelled regions nest inside the profiler's steps.
         assert all(0 <= f <= 1 for f in fractions.values()), fractions
-    # Communication is the all-reduce share of the rank that reached it last (it waited for
-    # nobody); the other ranks' extra all-reduce time is waiting, reported apart.
+    # A barrier before the all-reduce takes the waiting for the slowest rank (`barrier`), so the
+    # all-reduce starts on all ranks together: communication is the `allreduce` share, averaged
+    # over the ranks, and each rank's `barrier` share is its waiting, reported apart. Per step,
+    # the last rank to arrive is the one that waited least.
     f = summary["comm_fraction"]
-    shares = [r["fractions"]["allreduce"] for r in summary["per_rank"]]
-    assert 0 < f < 1 and f == min(shares)
-    assert summary["wait_fraction"] == pytest.approx([x - f for x in shares])
+    per_rank = summary["per_rank"]
+    assert 0 < f < 1
+    assert f == pytest.approx(sum(r["fractions"]["allreduce"] for r in per_rank) / 2)
+    assert summary["wait_fraction"] == [r["fractions"]["barrier"] for r in per_rank]
+    steps = [r["steps"] for r in per_rank]  # steps[rank][k]: ms of recorded step k
+    assert [s["step"] for s in steps[0]] == [s["step"] for s in steps[1]] == [2, 3, 4]
+    assert summary["last_rank_per_step"] == [int(b["barrier"] < a["barrier"])
+                                             for a, b in zip(*steps)]
+    for rank, rows in enumerate(steps):  # the shares are the per-step times, summed
+        total = sum(s["step_ms"] for s in rows)
+        assert per_rank[rank]["fractions"]["barrier"] == pytest.approx(
+            sum(s["barrier"] for s in rows) / total)
     assert summary["weak_scaling_efficiency"] == pytest.approx(1 - f)
     # Amdahl for this run's global batch on n ranks: one process computes it in 2 (1 - f) steps'
     # worth of time, n ranks in 2 (1 - f) / n plus the all-reduce f, which does not shrink.

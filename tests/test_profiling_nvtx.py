@@ -9,9 +9,11 @@
   process runs all three at world 1 with the helper replaced by a recorder (the scripts import it
   by name, so the recorder goes in before they are loaded).
 - The README's profiling command, run verbatim (its quoted output re-checked), writes Chrome
-  traces that are valid JSON: every recorded step holds data, forward, backward, allreduce and
-  optimizer once each, in that order, inside the step, and gloo runs the all-reduce on a worker
-  thread inside the `allreduce` range. The README's drawing command draws those files.
+  traces that are valid JSON: every recorded step holds data, forward, backward, barrier,
+  allreduce and optimizer once each, in that order, inside the step, and gloo runs the all-reduce
+  on a worker thread inside the `allreduce` range. The README's drawing command draws those files; given a
+  CUDA run's trace instead (NCCL kernels on a GPU stream, no gloo threads), the drawing gives the
+  NCCL kernels their own lane.
 """
 
 import json
@@ -21,10 +23,10 @@ import pytest
 import torch
 
 import dtcourse.profiling
-from conftest import PYTHON, REPO, launch, readme_mentions, run_documented
+from conftest import PYTHON, REPO, launch, load_script, readme_mentions, run_documented
 
 README = REPO / "05-advanced/c-data-parallel-techniques/README.md"
-REGIONS = ["data", "forward", "backward", "allreduce", "optimizer"]
+REGIONS = ["data", "forward", "backward", "barrier", "allreduce", "optimizer"]
 
 # The README commands, verbatim (held here, so tests/test_readmes.py does not run them again).
 PROFILE_DOC = ("torchrun --nproc_per_node=2 05-advanced/c-data-parallel-techniques/profiling.py "
@@ -173,7 +175,7 @@ def test_each_rank_writes_a_chrome_trace_perfetto_opens(traces):
         assert trace["course"]["steps"] == {"wait": 1, "warmup": 1, "active": 3}
 
 
-def test_every_recorded_step_holds_the_five_ranges_in_order(traces):
+def test_every_recorded_step_holds_the_six_ranges_in_order(traces):
     for rank, trace in enumerate(traces):
         events = complete_events(trace)
         steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")),
@@ -218,3 +220,32 @@ def test_the_readme_figure_is_drawn_from_the_trace_files(traces, tmp_path):
     result = launch([PYTHON, script, trace_dir, out], timeout=120)
     assert f"wrote {out}" in result.stdout, result.describe()
     assert png_size(out) == png_size(REPO / committed)
+
+
+def test_a_cuda_trace_draws_nccl_kernels_as_the_collective_lane(traces, tmp_path):
+    """On CUDA there are no gloo threads: the collectives are NCCL kernels on a stream of the GPU
+    (the barrier too: ProcessGroupNCCL runs it as an all-reduce of one float). Kineto writes a GPU
+    kernel as a complete event of category "kernel" whose pid is the GPU and tid the stream
+    (libkineto's output_json.cpp). Rank 0's trace with each gloo event turned into such a kernel,
+    and a compute kernel on another stream beside them: the NCCL kernels get one lane (their
+    stream), the compute kernel none, and the main thread keeps its ranges."""
+    timeline = load_script(DRAW_DOC.split()[1])
+    trace = json.loads(json.dumps(traces[0]))  # a copy
+    gloo = [e for e in complete_events(trace) if e["name"].startswith("gloo:")]
+    assert sorted({e["name"] for e in gloo}) == ["gloo:all_reduce", "gloo:barrier"]
+    for e in gloo:
+        e.update(cat="kernel", pid=0, tid=20,
+                 name="ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)")
+    trace["traceEvents"].append({"ph": "X", "cat": "kernel", "pid": 0, "tid": 7,
+                                 "name": "void at::native::vectorized_elementwise_kernel<4>",
+                                 "ts": gloo[0]["ts"], "dur": 3.0})
+    trace["distributedInfo"]["backend"] = "nccl"
+    path = tmp_path / "trace_rank0.json"
+    path.write_text(json.dumps(trace))
+    drawn = timeline.read_trace(path)
+    assert [name for name, _ in drawn["collective"]] == ["GPU 0, stream 20"]
+    assert sorted(e["ts"] for e in drawn["collective"][0][1]) == sorted(e["ts"] for e in gloo)
+    assert [e["name"] for e in sorted(drawn["labels"], key=lambda e: e["ts"])] == REGIONS * 3
+    timeline.draw([drawn], tmp_path / "cuda.png", "a CUDA-like trace")
+    width, height = png_size(tmp_path / "cuda.png")
+    assert width > 0 and height > 0

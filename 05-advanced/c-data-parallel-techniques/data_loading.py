@@ -21,13 +21,15 @@ augmenting its batch, so the accelerator waits for the loader. Two fixes, measur
     less work per sample      decode + resize once, store uint8 tensors in a memory-mapped file;
                               each step reads rows (page cache) and does only cheap augmentation
 
---records adds a third way to store the preprocessed images, FFCV's idea reduced to its core: a
-record file written once, each image one fixed-size record padded to whole 4096-byte pages, with an
-index (offset, bytes, label per record) beside it, read in a quasi-random order: the blocks of
---block-records consecutive records in a random order, then the records of each block in a random
-order. Every epoch still mixes the whole dataset, but a batch is a few runs of consecutive records,
-each read with one pread. It trains a fifth setting, and each file-backed loader reads one epoch
-twice: cold (the file's pages dropped from the page cache) and warm.
+--records adds a third way to store the preprocessed images, after FFCV's idea (its .beton file
+packs many samples into large pages, 8 MiB by default, and its QUASI_RANDOM order reads them page
+by page) in this lesson's own, simpler variant: a record file written once, each image one
+fixed-size record padded to whole 4096-byte pages, with an index (offset, bytes, label per record)
+beside it, read in a quasi-random order: the blocks of --block-records consecutive records (a
+block plays the part of an FFCV page) in a random order, then the records of each block in a
+random order. Every epoch still mixes the whole dataset, but a batch is a few runs of consecutive
+records, each read with one pread. It trains a fifth setting, and each file-backed loader reads
+one epoch cold (the file's pages dropped from the page cache) and warm, --read-repeats times.
 
 The images are synthetic and deterministic (smooth random patterns, JPEG-encoded in memory): no
 download, the same bytes on every rank. figures/dp_figures.py draws the --metrics-out JSON.
@@ -151,7 +153,9 @@ def index_path(records: Path) -> Path:
 def write_records(records: Path, rows: np.ndarray, labels) -> None:
     """Rank 0 only, once: rows (N, 3, S, S) uint8 as N records of ceil(3*S*S / PAGE) pages each
     (zero padding at the end of a record), so that every record starts on a page boundary and no
-    page holds two records; the index beside it. Temporary names first; the index is renamed last,
+    page holds two records; the index beside it. (This alignment is this lesson's choice: FFCV's
+    writer packs samples back to back into pages of 8 MiB, ffcv/writer.py and
+    ffcv/memory_allocator.py.) Temporary names first; the index is renamed last,
     so a reader that finds it finds the complete file."""
     n, payload = len(rows), rows[0].size
     record = -(-payload // PAGE) * PAGE
@@ -207,8 +211,11 @@ class RecordFile:
 
 def quasi_random_order(n: int, block: int, seed: int, epoch: int) -> np.ndarray:
     """The epoch's order of records 0..n-1: the blocks of `block` consecutive records in a random
-    order, then the records of each block in a random order (FFCV's QUASI_RANDOM also interleaves a
-    few blocks at a time). A pure function of (seed, epoch): every rank computes the same order."""
+    order, then the records of each block in a random order. A pure function of (seed, epoch):
+    every rank computes the same order. (FFCV's QUASI_RANDOM, ffcv/traversal_order/
+    quasi_random.py, shuffles its pages and the samples in each, then draws each next sample from
+    one of up to 2 x batch-size pages held open at a time, so that a batch mixes many pages; it
+    refuses distributed=True. The contiguous per-rank split below is this lesson's choice.)"""
     rng = np.random.default_rng([seed, epoch])
     starts = rng.permutation(np.arange(0, n, block))
     return np.concatenate([start + rng.permutation(min(block, n - start)) for start in starts])
@@ -265,7 +272,7 @@ def drop_page_cache(path: Path) -> None:
     dropped), then posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), offset 0 and length 0 meaning the
     whole file. It needs no privileges and touches only this file; `echo 3 >
     /proc/sys/vm/drop_caches` (as root) drops the clean cached pages of every file on the machine.
-    Pages that a process still maps stay."""
+    Neither drops a page that a process still maps (both skip mapped pages)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -276,7 +283,9 @@ def drop_page_cache(path: Path) -> None:
 
 def cached_pages(path: Path) -> int:
     """How many of the file's pages are in the page cache now: mincore(2) on a mapping of the file
-    (mapping reads nothing; mincore only looks)."""
+    (mapping reads nothing; mincore only looks). True only for a file this user owns or may write:
+    since Linux 5.0 mincore reports every page of any other file's mapping as resident
+    (can_do_mincore in mm/mincore.c), which would read as "all cached" before a cold epoch."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     size = os.path.getsize(path)
@@ -293,8 +302,9 @@ def cached_pages(path: Path) -> int:
 def time_reads(args, d, memmap_path: Path, records_path: Path, labels) -> list[dict]:
     """Each file-backed loader reads and batches one epoch (epoch 0) of this rank's shard, without
     augmentation or training: cold, right after every rank dropped the file's pages, then warm,
-    right after. Runs before any training, while no process maps the files. Times: mean over the
-    ranks."""
+    right after; --read-repeats times, each time cold then warm. Runs before any training, while
+    no process maps the files. Times: mean over the ranks, then the median of the repeats (one
+    read of a few megabytes on a shared machine moves by tens of percent)."""
     shape = (3, args.size, args.size)
 
     def records(block):
@@ -312,23 +322,32 @@ def time_reads(args, d, memmap_path: Path, records_path: Path, labels) -> list[d
     ]
     rows = []
     for name, order, path, build in loaders:
-        row = {"loader": name, "order": order, "pages": -(-os.path.getsize(path) // PAGE)}
-        for state in ("cold", "warm"):
-            if state == "cold":
-                drop_page_cache(path)
-            dist.barrier()  # every rank has dropped (cold) or read (warm) ...
-            row[f"{state}_cached_pages"] = cached_pages(path)
-            dist.barrier()  # ... and looked, before anyone reads
-            loader = build()
-            t0 = time.perf_counter()
-            for _ in loader:
-                pass
-            seconds = time.perf_counter() - t0
-            if isinstance(loader, QuasiRandomLoader):
-                row["reads_per_rank"] = report.gather(loader.records.reads)
-                loader.records.close()
-            del loader  # closes the memory map: dropped pages must not stay mapped
-            row[f"{state}_s"] = sum(report.gather(seconds)) / d.world_size
+        row = {"loader": name, "order": order, "pages": -(-os.path.getsize(path) // PAGE),
+               "cold_s_runs": [], "warm_s_runs": [], "cold_cached_pages_runs": [],
+               "warm_cached_pages_runs": []}
+        for _ in range(args.read_repeats):
+            for state in ("cold", "warm"):
+                if state == "cold":
+                    drop_page_cache(path)
+                dist.barrier()  # every rank has dropped (cold) or read (warm) ...
+                row[f"{state}_cached_pages_runs"].append(cached_pages(path))
+                dist.barrier()  # ... and looked, before anyone reads
+                loader = build()
+                t0 = time.perf_counter()
+                for _ in loader:
+                    pass
+                seconds = time.perf_counter() - t0
+                if isinstance(loader, QuasiRandomLoader):
+                    row["reads_per_rank"] = report.gather(loader.records.reads)
+                    loader.records.close()
+                del loader  # closes the memory map: dropped pages must not stay mapped
+                row[f"{state}_s_runs"].append(sum(report.gather(seconds)) / d.world_size)
+        # The worst case of the repeats: every cold epoch started with no page cached (max 0),
+        # every warm one with all of them (min = pages).
+        row["cold_cached_pages"] = max(row["cold_cached_pages_runs"])
+        row["warm_cached_pages"] = min(row["warm_cached_pages_runs"])
+        row["cold_s"] = float(np.median(row["cold_s_runs"]))
+        row["warm_s"] = float(np.median(row["warm_s_runs"]))
         row["cold_over_warm"] = row["cold_s"] / row["warm_s"]
         rows.append(row)
     return rows
@@ -336,7 +355,8 @@ def time_reads(args, d, memmap_path: Path, records_path: Path, labels) -> list[d
 
 def print_reads(rows, args) -> None:
     report.print0(f"one epoch of each rank's shard read and batched ({args.batch_size} per batch, "
-                  f"no augmentation), cold (the file's pages dropped first) then warm; ~: timings")
+                  f"no augmentation), cold (the file's pages dropped first) then warm, "
+                  f"{args.read_repeats} times; ~: timings, medians of the {args.read_repeats}")
     report.print0(f"{'loader':<20} {'order':<28} {'preads':>6} {'cached pages cold/warm':>23} "
                   f"{'cold':>9} {'warm':>9} {'cold/warm':>9}")
     for r in rows:
@@ -580,6 +600,9 @@ def parse_args(argv=None):
                         "cold (the file's cached pages dropped) and warm")
     p.add_argument("--block-records", type=int, default=8,
                    help="--records: consecutive records per block of the quasi-random order")
+    p.add_argument("--read-repeats", type=int, default=5,
+                   help="--records: how many times each loader reads its epoch cold and warm "
+                        "(the table shows the medians)")
     p.add_argument("--cache-dir", type=Path,
                    help="keep the preprocessed memory-mapped file (and the record file) here "
                         "(default: a temporary directory, removed at the end: under the working "
@@ -587,7 +610,8 @@ def parse_args(argv=None):
                         "to every rank")
     args = p.parse_args(argv)
     cli.check_positive(args, "images", "raw_size", "size", "epochs", "batch_size",
-                       "prefetch_factor", "lr", "block_records", "timeout_s")
+                       "prefetch_factor", "lr", "block_records", "read_repeats",
+                       "timeout_s")
     if args.records and not hasattr(os, "posix_fadvise"):
         cli.fail("--records drops the file's pages with os.posix_fadvise, which this OS lacks "
                  "(Linux has it)")

@@ -9,8 +9,9 @@ Launch (from the repository root):
         --device cuda --hidden 4096 --trace-dir runs/traces
 
 Then open runs/traces/trace_rank0.json in https://ui.perfetto.dev (or chrome://tracing): the
-labelled regions of each step and, under `allreduce`, gloo's (or NCCL's) all_reduce op. The
-same tracks, every rank in one picture, drawn from the trace files:
+labelled regions of each step and, under `allreduce`, the collective: gloo's all_reduce on a
+worker thread, or on CUDA NCCL's all-reduce kernel on a GPU stream. The same tracks, every rank
+in one picture, drawn from the trace files:
     python 05-advanced/c-data-parallel-techniques/figures/trace_timeline.py runs/traces \
         runs/profiling_timeline.png
 
@@ -19,15 +20,22 @@ The profiler runs on a schedule so that start-up does not pollute the numbers:
     step:   1      2        3 4 5
             wait   warmup   active (recorded)        -> on_trace_ready writes trace_rank<r>.json
 
-Each step is labelled with dtcourse.profiling.nvtx_range: data | forward | backward | allreduce |
-optimizer, a record_function for torch.profiler and, on CUDA, an NVTX range for Nsight Systems.
-Gradients are averaged by one explicit flat all-reduce after backward (no overlap), so the
-`allreduce` label is all the time a rank spends in it: the transfer, plus, on a rank that arrives
-early, the wait for the slowest rank (load imbalance, not communication). The rank that arrives
-last waits for nobody: its share c is the communication itself. --batch-size is per rank (weak
-scaling): n ranks give about n (1 - c) times one rank's throughput while the all-reduce keeps its
-time, with no ceiling. Amdahl's law bounds strong scaling instead (a fixed global batch split n
-ways: compute shrinks, the all-reduce does not).
+Each step is labelled with dtcourse.profiling.nvtx_range: data | forward | backward | barrier |
+allreduce | optimizer, a record_function for torch.profiler and, on CUDA, an NVTX range for
+Nsight Systems. Gradients are averaged by one explicit all-reduce of one flat buffer after
+backward (no overlap; packing the buffer ends `backward`, unpacking it starts `optimizer`).
+
+A rank that reaches the all-reduce early waits inside it for the last rank, and the all-reduce's
+own time cannot tell that wait from the transfer; which rank is last changes from step to step.
+So a barrier comes just before the all-reduce (Megatron-LM's timers offer the same,
+Timer.start(barrier=True) in megatron/core/timers.py): every rank waits there for the slowest
+one (load imbalance, not communication), and the all-reduce then starts on all ranks together,
+so `allreduce` is the transfer itself. The barrier costs one small round trip of its own (the
+`barrier` time of the last rank to arrive); a training step would leave it out. The
+communication share c is the `allreduce` share, averaged over the ranks. --batch-size is per
+rank (weak scaling): n ranks give about n (1 - c) times one rank's throughput while the
+all-reduce keeps its time, with no ceiling. Amdahl's law bounds strong scaling instead (a fixed
+global batch split n ways: compute shrinks, the all-reduce does not).
 """
 
 import json
@@ -45,7 +53,7 @@ from dtcourse.models import MLP
 from dtcourse.profiling import machine, nvtx_range
 
 SCRIPT = "05-advanced/c-data-parallel-techniques/profiling.py"
-REGIONS = ("data", "forward", "backward", "allreduce", "optimizer")
+REGIONS = ("data", "forward", "backward", "barrier", "allreduce", "optimizer")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -64,11 +72,15 @@ def region(name: str, device: torch.device):
             torch.cuda.synchronize(device)
 
 
-def average_gradients(model, world: int) -> None:
-    """One flat all-reduce of all gradients (communication_overlap.py shows bucketed and
-    overlapped versions); it includes waiting for the slower rank."""
-    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    dist.all_reduce(flat)
+def pack_gradients(model) -> torch.Tensor:
+    """All gradients in one flat buffer, so that one collective averages them all (DDP fills its
+    buckets during backward too; communication_overlap.py shows bucketed and overlapped
+    versions)."""
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def unpack_gradients(model, flat: torch.Tensor, world: int) -> None:
+    """The all-reduced sum, divided by the world size, back into each parameter's .grad."""
     flat /= world
     offset = 0
     for p in model.parameters():
@@ -85,9 +97,18 @@ def train_step(args, d, model, optimizer, step: int) -> torch.Tensor:
         loss = F.cross_entropy(model(x), y)
     with region("backward", d.device):
         loss.backward()
+        flat = pack_gradients(model)
+    # Measuring only: every rank waits here for the slowest one, so that the all-reduce below
+    # starts on all ranks together and its range holds the transfer, not the waiting.
+    with region("barrier", d.device):
+        # (on NCCL an all-reduce of one float, on this rank's GPU)
+        dist.barrier(device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    # Only the collective in this range (the copies into and out of the flat buffer are local
+    # work, kept in backward and optimizer).
     with region("allreduce", d.device):
-        average_gradients(model, d.world_size)
+        dist.all_reduce(flat)
     with region("optimizer", d.device):
+        unpack_gradients(model, flat, d.world_size)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss.detach()
@@ -117,17 +138,50 @@ def profiled_training(args, d, model, optimizer, trace_path):
 # Reading the profile back, and what the communication share bounds
 
 
-def fractions_of(prof) -> tuple[float, dict, list]:
-    """(step time in us, share of each region, names of the communication ops) from the recorded
-    steps: ProfilerStep#k events are the whole steps, the labels nest inside them (key_averages
-    groups the steps as "ProfilerStep*"). Times: microseconds of CPU wall time, summed over the
-    active steps."""
-    totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
-    step_us = sum(t for k, t in totals.items() if k.startswith("ProfilerStep"))
-    fractions = {name: totals.get(name, 0.0) / step_us for name in REGIONS}
-    fractions["other"] = 1.0 - sum(fractions.values())  # profiler overhead, Python glue
-    comm_ops = sorted({k for k in totals if "all_reduce" in k or "allreduce" in k.lower()})
-    return step_us, fractions, comm_ops
+def read_profile(prof, first_step: int) -> tuple[list[dict], list[str]]:
+    """(one row per recorded step: its number, and the milliseconds of the whole step and of each
+    label in it; the names of the collective ops in the profile). ProfilerStep events are the
+    whole steps (events() names them "ProfilerStep*"), and the labels nest inside them; times are
+    CPU wall time."""
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    steps = [e for e in events if e.name.startswith("ProfilerStep")]
+    rows = []
+    for k, step in enumerate(steps):
+        row = {"step": first_step + k, "step_ms": step.time_range.elapsed_us() / 1e3,
+               **{name: 0.0 for name in REGIONS}}
+        for e in events:
+            if e.name in REGIONS and step.time_range.start <= e.time_range.start \
+                    < step.time_range.end:
+                row[e.name] += e.time_range.elapsed_us() / 1e3
+        rows.append(row)
+    # The collective's own ops: c10d::allreduce_ (the call), gloo:all_reduce or nccl:all_reduce
+    # (the backend's op) and, on CUDA, NCCL's kernels; not this script's `allreduce` label, and
+    # not the barrier's.
+    comm_ops = sorted({e.name for e in events if e.name not in REGIONS
+                       and "barrier" not in e.name.lower()
+                       and ("all_reduce" in e.name or "allreduce" in e.name.lower())})
+    return rows, comm_ops
+
+
+def fractions(rows: list[dict]) -> dict:
+    """Share of each label in this rank's recorded steps, summed over the steps; `other` is the
+    rest (profiler overhead, Python glue)."""
+    total = sum(r["step_ms"] for r in rows)
+    out = {name: sum(r[name] for r in rows) / total for name in REGIONS}
+    out["other"] = 1.0 - sum(out.values())
+    return out
+
+
+def communication(per_rank: list[dict]) -> dict:
+    """What the barrier separates. comm: the `allreduce` share (the transfer: every rank starts it
+    together), averaged over the ranks; wait_fraction[r]: rank r's `barrier` share (the time it
+    waited for the slowest rank, plus the barrier's own round trip). Per step, the last rank to
+    arrive is the one that waited least."""
+    steps = list(zip(*[row["steps"] for row in per_rank]))  # steps[s][r]: rank r's row of step s
+    return {"comm": sum(row["fractions"]["allreduce"] for row in per_rank) / len(per_rank),
+            "wait_fraction": [row["fractions"]["barrier"] for row in per_rank],
+            "last_rank": [min(range(len(ranks)), key=lambda r: ranks[r]["barrier"])
+                          for ranks in steps]}
 
 
 def strong_scaling_bound(comm: float, world: int, n: int) -> float:
@@ -150,14 +204,14 @@ def run(args, d):
     trace_path = args.trace_dir / f"trace_rank{d.rank}.json"
     prof, losses = profiled_training(args, d, model, optimizer, trace_path)
 
-    step_us, fractions, comm_ops = fractions_of(prof)
+    rows, comm_ops = read_profile(prof, first_step=args.wait + args.warmup)
     mine = report.held_bytes(params=model.parameters(), optimizer=optimizer, device=d.device)
-    per_rank = report.gather({**mine, "step_ms": step_us / args.active / 1e3,
-                              "fractions": fractions, "trace": str(trace_path)})
-    # The rank that reached the all-reduce last waited for nobody: its share is the transfer.
-    shares = [row["fractions"]["allreduce"] for row in per_rank]
-    comm = min(shares)
-    bounds = {n: strong_scaling_bound(comm, d.world_size, n) for n in (8, 64, 1024)}
+    step_ms = sum(r["step_ms"] for r in rows) / len(rows)
+    per_rank = report.gather({**mine, "step_ms": step_ms, "fractions": fractions(rows),
+                              "steps": rows, "trace": str(trace_path)})
+    comm = communication(per_rank)
+    c = comm["comm"]
+    bounds = {n: strong_scaling_bound(c, d.world_size, n) for n in (8, 64, 1024)}
     print_table(args, d.world_size, per_rank, comm_ops, comm, bounds)
 
     losses = torch.stack(losses)
@@ -166,9 +220,10 @@ def run(args, d):
     metrics = report.metrics(
         d, script=SCRIPT, strategy="data parallel, one flat all-reduce", steps=steps,
         global_batch=d.world_size * args.batch_size, losses=(losses / d.world_size).tolist(),
-        samples_per_s=d.world_size * args.batch_size / (step_us / args.active / 1e6),
-        per_rank=per_rank, active_steps=args.active, comm_fraction=comm, comm_ops=comm_ops,
-        wait_fraction=[x - comm for x in shares], weak_scaling_efficiency=1.0 - comm,
+        samples_per_s=d.world_size * args.batch_size / (step_ms / 1e3),
+        per_rank=per_rank, active_steps=args.active, comm_fraction=c, comm_ops=comm_ops,
+        last_rank_per_step=comm["last_rank"], wait_fraction=comm["wait_fraction"],
+        weak_scaling_efficiency=1.0 - c,
         amdahl_bound={str(n): b for n, b in bounds.items()})
     report.finish(args, metrics, model.state_dict())
 
@@ -183,17 +238,25 @@ def print_table(args, world, per_rank, comm_ops, comm, bounds) -> None:
     for r, row in enumerate(per_rank):
         report.print0(f"{r:<5} {'~' + format(row['step_ms'], '.2f'):>8} " + " ".join(
             f"{'~' + format(row['fractions'][n], '.1%'):>9}" for n in (*REGIONS, "other")))
-    report.print0(f"communication ops seen in the profile: {', '.join(comm_ops)}")
-    shares = [row["fractions"]["allreduce"] for row in per_rank]
-    last = shares.index(comm)
-    waits = ", ".join(f"rank ~{r} ~{x - comm:.1%}" for r, x in enumerate(shares) if r != last)
-    report.print0(f"communication: ~{comm:.1%} of a step, the all-reduce of rank ~{last}, the last "
-                  "to reach it; the other ranks' extra all-reduce time is waiting for it"
-                  + (f": {waits}" if waits else ""))
-    report.print0(f"weak scaling (--batch-size per rank, as run): n ranks give n x ~{1 - comm:.2f} "
+    report.print0(f"collective ops in the profile: {', '.join(comm_ops)}")
+    report.print0("per recorded step, ms: barrier (the wait for the slowest rank) and allreduce "
+                  "(started by all ranks together: the transfer)")
+    report.print0(f"{'step':<5} " + " ".join(f"{f'barrier r{r}':>10}" for r in range(world)) + " "
+                  + " ".join(f"{f'allred r{r}':>9}" for r in range(world)) + "  last to arrive")
+    for k, last in enumerate(comm["last_rank"]):
+        rows = [row["steps"][k] for row in per_rank]
+        report.print0(f"{rows[0]['step']:<5} "
+                      + " ".join(f"{'~' + format(r['barrier'], '.2f'):>10}" for r in rows) + " "
+                      + " ".join(f"{'~' + format(r['allreduce'], '.2f'):>9}" for r in rows)
+                      + f"  rank ~{last}")
+    c = comm["comm"]
+    waits = ", ".join(f"rank ~{r} ~{w:.1%}" for r, w in enumerate(comm["wait_fraction"]))
+    report.print0(f"communication: ~{c:.1%} of a step (the allreduce column, mean over the "
+                  f"ranks); waiting for the slowest rank: {waits}")
+    report.print0(f"weak scaling (--batch-size per rank, as run): n ranks give n x ~{1 - c:.2f} "
                   "the throughput of one process (no all-reduce) if the all-reduce keeps its "
                   "time: no ceiling")
-    limit = f"~{world * (1 - comm) / comm:.1f}x" if comm > 0 else "none"
+    limit = f"~{world * (1 - c) / c:.1f}x" if c > 0 else "none"
     report.print0("strong scaling (Amdahl: this run's global batch split n ways, the all-reduce "
                   "not shrinking): speedup over one process at most "
                   + ", ".join(f"~{b:.1f}x at {n}" for n, b in bounds.items())

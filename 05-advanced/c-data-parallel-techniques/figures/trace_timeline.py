@@ -11,11 +11,16 @@ not hold:
     rank r, main thread     depth 0: ProfilerStep#k, the steps torch.profiler recorded
                             depth 1: the labelled ranges of the step (record_function, opened by
                                      dtcourse.profiling.nvtx_range): data, forward, backward,
-                                     allreduce, optimizer
+                                     barrier, allreduce, optimizer
                             depth 2: c10d::allreduce_, the collective's call, which hands the
                                      gradients to the backend
     rank r, gloo thread k   gloo:all_reduce, the all-reduce itself, run by one of the backend's
-                            worker threads
+                            worker threads (a CPU run, gloo), and gloo:barrier, the barrier's
+    rank r, GPU d stream s  NCCL's kernels (names containing "nccl", e.g. ncclDevKernel_AllReduce_
+                            Sum_f32_RING_LL), the all-reduce itself, on the CUDA stream of the
+                            process group (a CUDA run, NCCL: the trace's events of category
+                            "kernel", whose pid is the GPU and tid the stream); compute kernels
+                            are left out
 
 The profiler's clock is the machine's (Kineto's timestamps): the ranks of one machine line up.
 Time runs from the start of the first recorded step of any rank.
@@ -32,10 +37,16 @@ from dtcourse import cli
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 
-LABELS = ("data", "forward", "backward", "allreduce", "optimizer")
+LABELS = ("data", "forward", "backward", "barrier", "allreduce", "optimizer")
 COLORS = {"data": "tab:olive", "forward": "tab:blue", "backward": "tab:orange",
-          "allreduce": "tab:red", "optimizer": "tab:green", "c10d::allreduce_": "tab:pink",
-          "gloo:all_reduce": "tab:red"}
+          "barrier": "tab:gray", "allreduce": "tab:red", "optimizer": "tab:green",
+          "c10d::allreduce_": "tab:pink", "collective": "tab:red"}
+
+
+def is_nccl_kernel(e: dict) -> bool:
+    """A GPU kernel of NCCL: Kineto writes kernels with category "kernel" (pid: the GPU, tid: the
+    stream), and NCCL's kernel names contain "nccl" (ncclKernel_... or ncclDevKernel_...)."""
+    return e.get("cat") == "kernel" and "nccl" in e["name"].lower()
 
 
 def read_trace(path: Path) -> dict:
@@ -46,16 +57,26 @@ def read_trace(path: Path) -> dict:
     steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
     if not steps:
         raise ValueError("no ProfilerStep# event: not a trace of torch.profiler on a schedule")
-    main = steps[0]["tid"]
-    workers = sorted({e["tid"] for e in events if e["name"].startswith("gloo:")} - {main})
+    main = (steps[0]["pid"], steps[0]["tid"])
+    # The lanes of the collective itself: gloo's worker threads on a CPU run, the GPU streams
+    # that ran NCCL's kernels on a CUDA run.
+    gloo = sorted({(e["pid"], e["tid"]) for e in events if e["name"].startswith("gloo:")}
+                  - {main})
+    streams = sorted({(e["pid"], e["tid"]) for e in events if is_nccl_kernel(e)})
+    lanes = [(f"worker thread {k + 1}",
+              [e for e in events if (e["pid"], e["tid"]) == w and e["name"].startswith("gloo:")])
+             for k, w in enumerate(gloo)]
+    lanes += [(f"GPU {gpu}, stream {stream}",
+               [e for e in events if (e["pid"], e["tid"]) == (gpu, stream) and is_nccl_kernel(e)])
+              for gpu, stream in streams]
     info = t.get("distributedInfo", {})  # what torch.distributed told the profiler
+    on_main = [e for e in events if (e["pid"], e["tid"]) == main]
     return {"rank": info.get("rank", "?"), "backend": info.get("backend", "?"),
             "world_size": info.get("world_size", "?"),
             "course": t.get("course", {}), "steps": steps,
-            "labels": [e for e in events if e["tid"] == main and e["name"] in LABELS],
-            "calls": [e for e in events if e["tid"] == main and e["name"] == "c10d::allreduce_"],
-            "workers": [[e for e in events if e["tid"] == tid and e["name"].startswith("gloo:")]
-                        for tid in workers]}
+            "labels": [e for e in on_main if e["name"] in LABELS],
+            "calls": [e for e in on_main if e["name"] == "c10d::allreduce_"],
+            "collective": lanes}
 
 
 def draw(traces: list, path: Path, sources: str) -> None:
@@ -65,8 +86,7 @@ def draw(traces: list, path: Path, sources: str) -> None:
     lanes = []  # (label, rank's first lane?)
     for tr in traces:
         lanes.append(f"rank {tr['rank']}\nmain thread")
-        lanes += [f"rank {tr['rank']}, {tr['backend']}\nworker thread {k + 1}"
-                  for k in range(len(tr["workers"]))]
+        lanes += [f"rank {tr['rank']}, {tr['backend']}\n{name}" for name, _ in tr["collective"]]
     fig, ax = plt.subplots(figsize=(13, 0.8 * len(lanes) + 1.8))
 
     def box(y, e, color, label="", height=0.26, **kw):
@@ -85,16 +105,17 @@ def draw(traces: list, path: Path, sources: str) -> None:
             box(lane, e, COLORS[e["name"]], e["name"], alpha=0.8)
         for e in tr["calls"]:
             box(lane + 0.3, e, COLORS[e["name"]], height=0.22)
-        for k, worker in enumerate(tr["workers"]):
+        for k, (_, worker) in enumerate(tr["collective"]):
             for e in worker:
-                box(lane + 1 + k, e, COLORS["gloo:all_reduce"], e["name"], alpha=0.8)
+                color = COLORS["barrier" if "barrier" in e["name"] else "collective"]
+                box(lane + 1 + k, e, color, e["name"], alpha=0.8)
         if lane:
             ax.axhline(lane - 0.55, color="black", linewidth=0.8)
-        lane += 1 + len(tr["workers"])
+        lane += 1 + len(tr["collective"])
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[n], alpha=0.8) for n in
                (*LABELS, "c10d::allreduce_")]
     fig.legend(handles, [*LABELS, "c10d::allreduce_ (the collective's call, inside allreduce)",
-                         ], fontsize=7.5, ncol=6, loc="lower center", frameon=False)
+                         ], fontsize=7.5, ncol=7, loc="lower center", frameon=False)
     ax.set_yticks(range(len(lanes)), lanes, fontsize=7.5)
     ax.set_ylim(len(lanes) - 0.5, -0.6)
     ax.set_xlim(0, span * 1.005)
