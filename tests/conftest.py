@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import re
 import shlex
 import signal
@@ -37,11 +38,29 @@ PYTHON = sys.executable
 # Processes
 
 
+# Ports for rendezvous come from below Linux's ephemeral range (32768-60999 by default): a port the
+# kernel hands out for port 0 is also what it gives the next outgoing connection as its local port,
+# and gloo opens many, so such a port can be taken between the check and the launcher's bind. Each
+# xdist worker takes its own slice, and never hands out the same port twice.
+_PORTS = {"next": None}
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it back, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that was free a moment ago, outside the ephemeral range, unique to this worker."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    low, size = 20000 + 2000 * (worker % 6), 2000
+    if _PORTS["next"] is None:
+        _PORTS["next"] = low + random.Random(os.getpid()).randrange(size)
+    for _ in range(size):
+        port = _PORTS["next"]
+        _PORTS["next"] = low + (port - low + 1) % size
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free TCP port in {low}-{low + size - 1}")
 
 
 def base_env(extra: dict | None = None) -> dict:
