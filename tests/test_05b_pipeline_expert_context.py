@@ -75,9 +75,9 @@ SWEEP_DOC = (f"torchrun --nproc_per_node=4 {SWEEP} --microbatches 1-16 --pipelin
 PLOT_DOC = f"python {FIGURES} {LESSON}/figures/pp_sweep.json {LESSON}/figures/pp_bubble.png"
 # m = 1, 4 and 3, which neither p = 2 nor p = 4 divides.
 SWEEP_M = [1, 3, 4]
-# The zero-bubble schedules (gradient worker only): also m = 8, where zbv's formula holds at p = 4
-# (m >= 2p - 1), as zb1p's does (m >= p); m = 1 and 3 lie outside both at p = 4.
-ZERO_BUBBLE_M = SWEEP_M + [8]
+# The zero-bubble schedules (gradient worker only): m = 3, inside both formulas' ranges at p = 2
+# (zb1p: m >= p; zbv: m >= 2p - 1) and outside both at p = 4, and m = 8, inside both at p = 4.
+ZERO_BUBBLE_M = [3, 8]
 # Fixed cost: 50 ms per layer forward, 100 backward: a stage of 8 / p layers works 200 ms
 # (p = 2) or 100 ms (p = 4) per micro-batch forward, so the schedule, not the tiny model's
 # compute, sets the bubble.
