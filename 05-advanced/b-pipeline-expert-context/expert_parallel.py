@@ -232,11 +232,17 @@ def train(args, d):
     report_run(args, d, model, optimizer, losses, samples_per_s, totals)
 
 
-def report_run(args, d, model, optimizer, losses, samples_per_s, last_totals):
+def gather_ranks(d, model, optimizer):
+    """Every rank's held bytes, and the parts of the unsplit model's state_dict: every rank's
+    experts, and the replicated rest (any rank's)."""
     per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,
                                                device=d.device))
-    # The unsplit model's state_dict: every rank's experts, and the replicated rest (any rank's).
     parts = report.gather({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    return per_rank, parts
+
+
+def report_run(args, d, model, optimizer, losses, samples_per_s, last_totals):
+    per_rank, parts = gather_ranks(d, model, optimizer)
     report.print0(f"done: {args.steps} steps, {samples_per_s:.0f} samples/s")
     metrics = report.metrics(
         d, script=SCRIPT, strategy="expert-parallel", steps=args.steps,

@@ -185,10 +185,7 @@ def train(args, d):
 
 
 def report_run(args, d, model, optimizer, history, samples_per_s, padded):
-    per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,
-                                               device=d.device))
-    # The unsplit model's state_dict: every rank's experts, and the replicated rest (any rank's).
-    parts = report.gather({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    per_rank, parts = ep.gather_ranks(d, model, optimizer)
     report.print0(f"done: {args.steps} steps, {samples_per_s:.0f} samples/s")
     metrics = report.metrics(
         d, script=SCRIPT, strategy="expert-parallel-dropless", steps=args.steps,
