@@ -547,6 +547,7 @@ LONGEST_FIRST = ["test_scale.py", "test_launchers.py", "test_readmes.py", "test_
                  "test_01_ddp.py", "test_02_fsdp.py", "test_exercise_solutions.py",
                  "test_exercise_solutions_01_02.py",
                  "test_05b_pipeline_expert_context.py", "test_02_practice.py",
+                 "test_05d_other_frameworks.py",
                  "test_benchmarks.py", "test_05a_tensor_sequence_hybrid.py",
                  "test_05c_data_parallel_techniques.py", "test_05b_ulysses_moe.py",
                  "test_05a_scale_bugs.py", "test_05b_zero_bubble.py", "test_05c_accum_loading.py",

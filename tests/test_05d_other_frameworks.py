@@ -20,12 +20,12 @@ import json
 import os
 import re
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, launch, load_export, read_json, readme_mentions, run_documented
+from conftest import (REPO, free_port, launch, load_export, read_json, readme_mentions,
+                      run_documented)
 
 from dtcourse.data import classification_batch
 from dtcourse.models import MLP
@@ -58,6 +58,8 @@ HVD_SLOTS_CMD = ("horovodrun -np 4 -H localhost:2 --gloo python 05-advanced/d-ot
 TF_MWMS_CMD = ("python 05-advanced/d-other-frameworks/tf_train.py --strategy multiworker --spawn 2 "
                "--steps 10 --metrics-out runs/05d/tf_multiworker.json "
                "--export runs/05d/tf_multiworker.pt")
+TF_MIRRORED_CMD = ("python 05-advanced/d-other-frameworks/tf_train.py --strategy mirrored "
+                   "--loop fit --steps 10 --export runs/05d/tf_mirrored_fit.pt")
 TF_FIT3_CMD = ("python 05-advanced/d-other-frameworks/tf_train.py --strategy multiworker --spawn 2 "
                "--loop fit --steps 10  # exits 1")
 TF_FIT2_CMD = ("TF_USE_LEGACY_KERAS=1 python 05-advanced/d-other-frameworks/tf_train.py "
@@ -173,7 +175,8 @@ def runs():
         jobs |= {"tf_mwms": (TF_MWMS_CMD, ["runs/05d/tf_multiworker.pt",
                                            "runs/05d/tf_multiworker.json"]),
                  "tf_fit2": (TF_FIT2_CMD, ["runs/05d/tf_multiworker_fit.pt"]),
-                 "tf_fit3": (TF_FIT3_CMD, []), "tf_index": (TF_INDEX_CMD, [])}
+                 "tf_fit3": (TF_FIT3_CMD, []), "tf_index": (TF_INDEX_CMD, []),
+                 "tf_mirrored": (TF_MIRRORED_CMD, ["runs/05d/tf_mirrored_fit.pt"])}
     if HAVE_HOROVOD:
         jobs |= {"hvd": (HVD_CMD, ["runs/05d/horovod.pt", "runs/05d/horovod.json",
                                    "runs/05d/horovod_timeline.json"]),
@@ -382,6 +385,17 @@ def test_tf_multiworker_equals_one_process_and_ddp(runs):
 
 
 @needs_tf
+def test_tf_mirrored_fit_equals_ddp(runs):
+    """MirroredStrategy in one process over 2 logical CPU devices, with Keras 3's model.fit (which
+    works under this strategy): the template's weights, to TensorFlow-against-torch rounding."""
+    out = result(runs, "tf_mirrored").stdout
+    assert "keras 3." in out and "MirroredStrategy | 2 replica(s) | global batch 64 (2 x 32)" in out
+    worst = assert_runs_agree(export("tf_mirrored_fit.pt"), export("ddp_one.pt"), TF_ATOL,
+                              "TF mirrored (Keras 3 fit) vs DDP one process")
+    assert worst > 0
+
+
+@needs_tf
 def test_keras3_fit_under_multiworker_fails_with_one_line_per_worker(runs):
     """Keras 3's model.fit under MultiWorkerMirroredStrategy fails (an open Keras bug): each
     worker says so in one line naming the way around it; run_documented checked exit status 1."""
@@ -404,11 +418,7 @@ def test_bad_tf_config_and_unreachable_peer_fail_with_one_line(runs):
     assert r.elapsed < 20
 
     assert readme_mentions(README, TF_PEER_CMD)
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port(), free_port()]
     cmd = TF_PEER_CMD.replace("29610", str(ports[0])).replace("29611", str(ports[1]))
     r = launch(["bash", "-c", cmd], timeout=120, check=False)
     assert r.returncode in (-9, 137), r.describe()  # SIGKILL (137 = 128 + 9 from a shell)
