@@ -302,20 +302,16 @@ def parse_args(argv=None):
     cli.add_run_args(p)
     cli.add_train_args(p, steps=40, batch_size=32, lr=1e-2)
     cli.add_output_args(p)
-    p.add_argument("--base-batch", type=int, default=32, help="global batch the base LR is for")
-    p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup to the scaled LR")
+    cli.add_template_args(p)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="autocast dtype; fp16 adds a GradScaler and needs CUDA")
-    p.add_argument("--hidden", type=int, default=128, help="width of the MLP")
     cli.add_ckpt_args(p, keep=True)
     p.add_argument("--spawn", type=int, default=0, metavar="N",
                    help="start N local ranks with torch.multiprocessing.spawn instead of torchrun")
     p.add_argument("--log-every", type=int, default=10)
     args = p.parse_args(argv)
-    cli.check_positive(args, "steps", "batch_size", "grad_accum", "base_batch", "log_every", "lr",
-                       "timeout_s", "hidden")
-    if args.warmup_steps < 0:
-        cli.fail(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    cli.check_positive(args, "steps", "batch_size", "grad_accum", "log_every", "lr", "timeout_s")
+    cli.check_template_args(args)
     if args.spawn and ("RANK" in os.environ or args.spawn < 1):
         cli.fail("--spawn N starts N ranks itself: use it with plain python, N >= 1")
     cli.check_ckpt_args(args, args.spawn or launch.launched().world_size)

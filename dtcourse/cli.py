@@ -93,6 +93,20 @@ def check_ckpt_dir(path: Path | None) -> None:
         fail(f"--ckpt-dir {path} is a file, not a directory of checkpoints")
 
 
+def add_template_args(p: argparse.ArgumentParser) -> None:
+    """The knobs of lesson 01's template (the MLP and its LR schedule), the same flags in every
+    script that trains it: DDP, its exercise solutions, Horovod and TensorFlow."""
+    p.add_argument("--base-batch", type=int, default=32, help="global batch the base LR is for")
+    p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup to the scaled LR")
+    p.add_argument("--hidden", type=int, default=128, help="width of the MLP")
+
+
+def check_template_args(args: argparse.Namespace) -> None:
+    check_positive(args, "base_batch", "hidden")
+    if args.warmup_steps < 0:
+        fail(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+
+
 def add_gpt_args(p: argparse.ArgumentParser, *, layers: int = 2, dim: int = 64, heads: int = 4,
                  seq_len: int = 32, vocab: int = 256) -> None:
     """The shape of dtcourse.models.GPT, the same flags in every lesson that trains it."""

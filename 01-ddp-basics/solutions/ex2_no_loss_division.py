@@ -133,14 +133,10 @@ def parse_args(argv=None):
     p.add_argument("--export", type=Path,
                    help="rank 0 writes each run's plain state_dict to PATH with the run's name "
                         "before the suffix (ex2.pt -> ex2.adamw.undivided.pt)")
-    p.add_argument("--base-batch", type=int, default=32, help="global batch the base LR is for")
-    p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup to the scaled LR")
-    p.add_argument("--hidden", type=int, default=128, help="width of the MLP")
+    cli.add_template_args(p)
     args = p.parse_args(argv)
-    cli.check_positive(args, "steps", "batch_size", "grad_accum", "base_batch", "lr",
-                       "timeout_s", "hidden")
-    if args.warmup_steps < 0:
-        cli.fail(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    cli.check_positive(args, "steps", "batch_size", "grad_accum", "lr", "timeout_s")
+    cli.check_template_args(args)
     return args
 
 

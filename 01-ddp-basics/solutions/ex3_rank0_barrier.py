@@ -63,15 +63,14 @@ def parse_args(argv=None):
     cli.add_run_args(p, timeout_s=10.0)
     cli.add_train_args(p, steps=6, batch_size=32, lr=1e-2)
     cli.add_output_args(p, metrics=False, export=False, json_out=True)
-    p.add_argument("--base-batch", type=int, default=32, help="global batch the base LR is for")
-    p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup to the scaled LR")
-    p.add_argument("--hidden", type=int, default=128, help="width of the MLP")
+    cli.add_template_args(p)
     p.add_argument("--barrier-at-step", type=int, default=3,
                    help="after this step rank 0 alone enters dist.barrier()")
     args = p.parse_args(argv)
     args.precision = "fp32"
-    cli.check_positive(args, "steps", "batch_size", "grad_accum", "base_batch", "lr",
-                       "timeout_s", "hidden", "barrier_at_step")
+    cli.check_positive(args, "steps", "batch_size", "grad_accum", "lr", "timeout_s",
+                       "barrier_at_step")
+    cli.check_template_args(args)
     if args.barrier_at_step > args.steps:
         cli.fail(f"--barrier-at-step {args.barrier_at_step} is past --steps {args.steps}")
     return args

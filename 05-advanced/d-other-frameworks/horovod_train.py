@@ -179,17 +179,13 @@ def parse_args(argv=None):
     cli.add_run_args(p, timeout_s=60.0)
     cli.add_train_args(p, steps=40, batch_size=32, lr=1e-2)
     cli.add_output_args(p)
-    p.add_argument("--base-batch", type=int, default=32, help="global batch the base LR is for")
-    p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup to the scaled LR")
-    p.add_argument("--hidden", type=int, default=128, help="width of the MLP")
+    cli.add_template_args(p)
     p.add_argument("--compression", choices=["none", "fp16"], default="none",
                    help="send gradients as they are, or as float16 (Horovod's Compression.fp16)")
     p.add_argument("--log-every", type=int, default=10)
     args = p.parse_args(argv)
-    cli.check_positive(args, "steps", "batch_size", "grad_accum", "base_batch", "log_every", "lr",
-                       "timeout_s", "hidden")
-    if args.warmup_steps < 0:
-        cli.fail(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    cli.check_positive(args, "steps", "batch_size", "grad_accum", "log_every", "lr", "timeout_s")
+    cli.check_template_args(args)
     return args
 
 

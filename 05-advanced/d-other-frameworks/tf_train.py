@@ -445,9 +445,7 @@ def parse_args(argv=None):
     cli.add_train_args(p, steps=40, batch_size=32, lr=1e-2, grad_accum=False,
                        batch_help="samples per replica per step")
     cli.add_output_args(p)
-    p.add_argument("--base-batch", type=int, default=32, help="global batch the base LR is for")
-    p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup to the scaled LR")
-    p.add_argument("--hidden", type=int, default=128, help="width of the MLP")
+    cli.add_template_args(p)
     p.add_argument("--strategy", choices=STRATEGIES, default="one",
                    help="one device; one process with several (mirrored); several processes "
                         "(multiworker, from TF_CONFIG)")
@@ -459,10 +457,8 @@ def parse_args(argv=None):
                    help="multiworker: start N local workers, each with its own TF_CONFIG")
     p.add_argument("--log-every", type=int, default=10)
     args = p.parse_args(argv)
-    cli.check_positive(args, "steps", "batch_size", "base_batch", "log_every", "lr", "timeout_s",
-                       "hidden", "replicas")
-    if args.warmup_steps < 0:
-        cli.fail(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    cli.check_positive(args, "steps", "batch_size", "log_every", "lr", "timeout_s", "replicas")
+    cli.check_template_args(args)
     if args.spawn and (args.strategy != "multiworker" or "TF_CONFIG" in os.environ
                        or args.spawn < 1):
         cli.fail("--spawn N starts N local workers with their TF_CONFIG: use it with --strategy "
