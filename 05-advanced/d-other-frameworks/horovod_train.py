@@ -190,7 +190,8 @@ def parse_args(argv=None):
 
 
 def choose_device(hvd, device_arg: str) -> torch.device:
-    """--device auto|cpu|cuda; checked before hvd.init(), so every rank fails alike."""
+    """--device auto|cpu|cuda, checked before hvd.init() so that every rank fails alike; a GPU
+    rank's device index comes from hvd.local_rank() once hvd.init() has run (in main)."""
     if device_arg == "cuda" and not torch.cuda.is_available():
         cli.fail("--device cuda was asked for, but CUDA is not available on this machine")
     if device_arg == "cpu" or not torch.cuda.is_available():
@@ -199,10 +200,7 @@ def choose_device(hvd, device_arg: str) -> torch.device:
     if not hvd.nccl_built():
         cli.fail("this Horovod was built without GPU support (hvd.nccl_built() is False): "
                  "rebuild it with HOROVOD_GPU_OPERATIONS=NCCL, or use --device cpu")
-    local_rank = int(os.environ.get("HOROVOD_LOCAL_RANK", os.environ.get(
-        "OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))))
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    return torch.device("cuda")
 
 
 def main(argv=None):
@@ -216,6 +214,9 @@ def main(argv=None):
     # Gloo's collectives (and its rendezvous) give up after this many seconds instead of 30.
     os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(args.timeout_s)))
     hvd.init()
+    if device.type == "cuda":  # one GPU per rank: horovodrun, mpirun or srun set the local rank
+        device = torch.device("cuda", hvd.local_rank())
+        torch.cuda.set_device(device)
     try:
         train(hvd, args, device)
     finally:

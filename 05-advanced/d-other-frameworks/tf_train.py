@@ -15,10 +15,11 @@ The strategies:
     one          OneDeviceStrategy: no distribution; the reference, like `python ddp_training.py`.
     mirrored     MirroredStrategy: ONE process drives several devices (GPUs, or on a CPU logical
                  devices split from it, --replicas), a replica of the model on each; gradients are
-                 summed across them in-process. DDP's one-process-per-GPU has no counterpart here.
-    multiworker  MultiWorkerMirroredStrategy: one process per machine (a "worker", each possibly
-                 with several GPUs), as torchrun starts them; they find each other through
-                 TF_CONFIG and all-reduce with collective ops (ring on CPU, NCCL on GPUs).
+                 summed across them in-process.
+    multiworker  MultiWorkerMirroredStrategy: several processes ("workers"), usually one per
+                 machine mirroring over its GPUs (one per GPU also works); they find each
+                 other through TF_CONFIG and all-reduce with collective ops (ring on CPU,
+                 NCCL on GPUs).
 
 What DDP does, and where TensorFlow does it:
     torch.manual_seed + MLP()    -> the torch MLP's initial weights copied in, transposed
@@ -147,15 +148,16 @@ def make_strategy(tf, args, cluster):
     if args.strategy == "one":
         return tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0"), 0
     if args.strategy == "mirrored":
-        if gpus:
-            devices = [f"/gpu:{i}" for i in range(min(args.replicas, len(gpus)))]
+        if gpus:  # every visible GPU, or the first --replicas of them
+            devices = [f"/gpu:{i}" for i in range(min(args.replicas or len(gpus), len(gpus)))]
         else:
             # A CPU is one device to TensorFlow: split it into --replicas logical devices, one
             # replica each (threads of one process, as several GPUs would be).
+            replicas = args.replicas or 2
             cpu = tf.config.list_physical_devices("CPU")[0]
             tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration()] * args.replicas)
-            devices = [f"/cpu:{i}" for i in range(args.replicas)]
+                cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+            devices = [f"/cpu:{i}" for i in range(replicas)]
         # In one process, the replicas' gradients are summed on one device and copied back
         # (NCCL's all-reduce is the default between GPUs, and needs GPUs).
         ops = None if gpus else tf.distribute.ReductionToOneDevice()
@@ -174,9 +176,9 @@ def watch_join(seconds: float, cluster: dict):
     """A process that ends this worker, with one line, unless every worker joined within
     `seconds` of the strategy's start. MultiWorkerMirroredStrategy waits for all the workers of
     TF_CONFIG without a timeout, inside TensorFlow's C++ with Python's lock held (no thread or
-    signal handler of this process runs meanwhile) and deaf to SIGTERM; so the watcher is a
-    process, forked before TensorFlow starts its threads, and ends this one with SIGKILL. Returns
-    the pipe end to send "start" to (the clock starts), then "joined"."""
+    signal handler of this process runs meanwhile), and TensorFlow's runtime catches SIGTERM; so
+    the watcher is a process, forked before TensorFlow starts its threads, and ends this one with
+    SIGKILL. Returns the pipe end to send "start" to (the clock starts), then "joined"."""
     import multiprocessing as mp
     ours, theirs = mp.get_context("fork").Pipe()
     mp.get_context("fork").Process(target=_watcher, args=(os.getpid(), seconds, cluster, theirs),
@@ -299,12 +301,12 @@ def train_fit(tf, args, strategy, model, optimizer, timer):
     except ValueError as exc:
         if args.strategy != "multiworker" or which_keras(tf).startswith("tf-keras"):
             raise
-        # Keras 3 passes the per-replica batch where a tensor is expected: an open Keras bug
-        # (keras-team/keras#20585; tensorflow/tensorflow#72388), on every worker.
+        # Keras 3 passes the per-replica batch where a tensor is expected, on every worker:
+        # unsupported in Keras 3 (keras-team/keras#20585; tensorflow/tensorflow#72388).
         first = str(exc).splitlines()[0]
         print(f"error: worker {strategy.cluster_resolver.task_id}: {which_keras(tf)}'s model.fit "
-              f"fails under MultiWorkerMirroredStrategy ({type(exc).__name__}: {first} ...), an "
-              f"open Keras 3 bug: use --loop custom, or Keras 2 (TF_USE_LEGACY_KERAS=1, "
+              f"fails under MultiWorkerMirroredStrategy ({type(exc).__name__}: {first} ...), "
+              f"unsupported in Keras 3: use --loop custom, or Keras 2 (TF_USE_LEGACY_KERAS=1, "
               f"package tf-keras)", file=sys.stderr, flush=True)
         os._exit(1)  # now, before TensorFlow's shutdown logs the peer that is already gone
     return losses
@@ -430,7 +432,7 @@ def spawn(args, argv) -> int:
         if deadline is not None and time.monotonic() > deadline:
             for index, proc in enumerate(procs):
                 if index not in codes:
-                    proc.kill()  # SIGKILL: a worker waiting for its peers ignores SIGTERM
+                    proc.kill()  # SIGKILL: TensorFlow's runtime catches SIGTERM
         time.sleep(0.1)
     return max(codes.values(), key=abs)
 
@@ -449,8 +451,9 @@ def parse_args(argv=None):
     p.add_argument("--strategy", choices=STRATEGIES, default="one",
                    help="one device; one process with several (mirrored); several processes "
                         "(multiworker, from TF_CONFIG)")
-    p.add_argument("--replicas", type=int, default=2,
-                   help="mirrored: devices (logical CPU devices on a CPU) to mirror over")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="mirrored: devices to mirror over (default: every visible GPU; on a CPU, "
+                        "2 logical devices split from it)")
     p.add_argument("--loop", choices=["custom", "fit"], default="custom",
                    help="a custom training loop, or Keras's model.fit")
     p.add_argument("--spawn", type=int, default=0, metavar="N",
