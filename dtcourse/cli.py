@@ -32,7 +32,10 @@ def _rank_label() -> str:
 def fail(msg: str) -> NoReturn:
     """Bad input: one line on stderr and exit status 2. Call it on every rank, before the first
     collective, with a message every rank computes alike: then no peer is left waiting."""
-    print(f"{_rank_label()}error: {msg}", file=sys.stderr, flush=True)
+    # One write of the whole line: print() writes the text and its newline separately, and
+    # ranks sharing a terminal or pipe could interleave between the two.
+    sys.stderr.write(f"{_rank_label()}error: {msg}\n")
+    sys.stderr.flush()
     sys.exit(2)
 
 

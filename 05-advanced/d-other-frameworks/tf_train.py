@@ -172,6 +172,13 @@ def make_strategy(tf, args, cluster):
         cluster["index"]
 
 
+def say_error(line: str) -> None:
+    """One line on stderr in one write: the workers share their launcher's stderr, and print()'s
+    separate write of the newline would let another worker's line in between."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode())
+
+
 def watch_join(seconds: float, cluster: dict):
     """A process that ends this worker, with one line, unless every worker joined within
     `seconds` of the strategy's start. MultiWorkerMirroredStrategy waits for all the workers of
@@ -201,9 +208,8 @@ def _watcher(pid: int, seconds: float, cluster: dict, conn) -> None:
         except (OSError, ValueError):
             silent.append(f"worker {i} at {address}")
     who = ", ".join(silent) if silent else "no listed worker (all listen, yet did not all join)"
-    print(f"error: worker {cluster['index']}: the {len(cluster['workers'])} workers of TF_CONFIG "
-          f"did not all join within --timeout-s {seconds:g}; not answering: {who}",
-          file=sys.stderr, flush=True)
+    say_error(f"error: worker {cluster['index']}: the {len(cluster['workers'])} workers of "
+              f"TF_CONFIG did not all join within --timeout-s {seconds:g}; not answering: {who}")
     os.kill(pid, signal.SIGKILL)
 
 
@@ -247,16 +253,21 @@ def global_batch(args, step: int):
 
 def train_custom(tf, args, strategy, model, optimizer, timer):
     """The loop written out: each replica takes its rows, computes sum(loss) / global batch and
-    its gradients; apply_gradients all-reduces (sums) them across replicas and steps."""
+    its gradients; apply_gradients all-reduces (sums) them across replicas and steps. Returns
+    the losses, and the norm of the summed gradient at step 1 (before any update), which
+    should be one process's: a loss divided by the replica's own batch would double it."""
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction="none")
     B = args.batch_size
 
-    def replica_step(x, y):
+    def loss_and_grads(x, y):
         with tf.GradientTape() as tape:
             per_sample = loss_fn(y, model(x, training=True))                      # (B,)
             loss = tf.nn.compute_average_loss(per_sample, global_batch_size=args.global_batch)
-        grads = tape.gradient(loss, model.trainable_variables)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    def replica_step(x, y):
+        loss, grads = loss_and_grads(x, y)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))  # all-reduce, update
         return loss
 
@@ -264,6 +275,12 @@ def train_custom(tf, args, strategy, model, optimizer, timer):
     def step_fn(x, y):
         per_replica = strategy.run(replica_step, args=(x, y))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)  # global mean
+
+    @tf.function
+    def summed_grad_norm(x, y):  # a probe for the metrics, not part of training
+        _, grads = strategy.run(loss_and_grads, args=(x, y))
+        summed = [strategy.reduce(tf.distribute.ReduceOp.SUM, g, axis=None) for g in grads]
+        return tf.linalg.global_norm(summed)
 
     losses = []
     for step in range(args.steps):
@@ -273,9 +290,11 @@ def train_custom(tf, args, strategy, model, optimizer, timer):
                                 (ctx.replica_id_in_sync_group + 1) * B]
         dx = strategy.experimental_distribute_values_from_function(lambda ctx: rows(ctx, x))
         dy = strategy.experimental_distribute_values_from_function(lambda ctx: rows(ctx, y))
+        if step == 0:
+            grad_norm = float(summed_grad_norm(dx, dy))
         losses.append(float(step_fn(dx, dy)))
         timer(step, losses[-1])
-    return losses
+    return losses, {"grad_norm_step1": grad_norm}
 
 
 def train_fit(tf, args, strategy, model, optimizer, timer):
@@ -304,12 +323,12 @@ def train_fit(tf, args, strategy, model, optimizer, timer):
         # Keras 3 passes the per-replica batch where a tensor is expected, on every worker:
         # unsupported in Keras 3 (keras-team/keras#20585; tensorflow/tensorflow#72388).
         first = str(exc).splitlines()[0]
-        print(f"error: worker {strategy.cluster_resolver.task_id}: {which_keras(tf)}'s model.fit "
-              f"fails under MultiWorkerMirroredStrategy ({type(exc).__name__}: {first} ...), "
-              f"unsupported in Keras 3: use --loop custom, or Keras 2 (TF_USE_LEGACY_KERAS=1, "
-              f"package tf-keras)", file=sys.stderr, flush=True)
+        say_error(f"error: worker {strategy.cluster_resolver.task_id}: {which_keras(tf)}'s "
+                  f"model.fit fails under MultiWorkerMirroredStrategy ({type(exc).__name__}: "
+                  f"{first} ...), unsupported in Keras 3: use --loop custom, or Keras 2 "
+                  f"(TF_USE_LEGACY_KERAS=1, package tf-keras)")
         os._exit(1)  # now, before TensorFlow's shutdown logs the peer that is already gone
-    return losses
+    return losses, {}
 
 
 def which_keras(tf) -> str:
@@ -364,7 +383,7 @@ def train(args, cluster):
         if done % args.log_every == 0 or done in (1, args.steps):
             say(f"step {done:4d}/{args.steps} | loss {loss:.4f}", flush=True)
 
-    losses = (train_custom if args.loop == "custom" else train_fit)(
+    losses, probes = (train_custom if args.loop == "custom" else train_fit)(
         tf, args, strategy, model, optimizer, timer)
     elapsed = time.perf_counter() - t["start"]
     samples_per_s = (args.steps - 1) * args.global_batch / elapsed if args.steps > 1 else None
@@ -381,7 +400,7 @@ def train(args, cluster):
                                  steps=args.steps, global_batch=args.global_batch, losses=losses,
                                  samples_per_s=samples_per_s, per_rank=[held] * replicas,
                                  loop=args.loop, keras_version=str(keras_version),
-                                 tensorflow_version=tf.__version__)
+                                 tensorflow_version=tf.__version__, **probes)
         if args.metrics_out:
             report.write_json(args.metrics_out, metrics)
         if args.export:
