@@ -138,26 +138,32 @@ def one_process_grad_norm() -> float:
     """The norm of the template's gradient at step 1, on the whole global batch."""
     torch.manual_seed(0)
     model = MLP(128)
-    x, y = classification_batch(0, 0, GLOBAL_BATCH)
-    F.cross_entropy(model(x), y).backward()
+    plain_backward()(model, *classification_batch(0, 0, GLOBAL_BATCH))
     return torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()])).item()
 
 
-def template_run(rows_of_step, steps: int = STEPS, grad_scale: float = 1.0) -> dict:
+def template_run(backward, steps: int = STEPS) -> dict:
     """The template's training written out here (no script code): MLP(128) from seed 0, AdamW
-    with the template's warmup, on the rows `rows_of_step(x, y)` picks of each global batch."""
+    with the template's warmup; `backward(model, x, y)` leaves in each p.grad the gradient to
+    apply for step t's global batch (x, y)."""
     torch.manual_seed(0)
     model = MLP(128)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
     for step in range(steps):
-        x, y = rows_of_step(*classification_batch(0, step, GLOBAL_BATCH))
-        (grad_scale * F.cross_entropy(model(x), y)).backward()
+        backward(model, *classification_batch(0, step, GLOBAL_BATCH))
         opt.step()
         opt.zero_grad()
         sched.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def plain_backward(rows: slice = slice(None), scale: float = 1.0):
+    """The template's backward on `rows` of the global batch, its loss times `scale`."""
+    def backward(model, x, y):
+        (scale * F.cross_entropy(model(x[rows]), y[rows])).backward()
+    return backward
 
 
 # --------------------------------------------------------------------------------------------------
@@ -226,14 +232,14 @@ def test_the_tolerance_separates_rounding_from_a_bug():
     which the 0.1% allowance does not cover: the comparison still catches it, narrowly. The
     Horovod test checks the averaging on the gradient's norm too, where it is a factor of 2."""
     assert abs(adam_step_bound() - 1.04) < 0.01
-    full = template_run(lambda x, y: (x, y))
-    half = template_run(lambda x, y: (x[:32], y[:32]))
+    full = template_run(plain_backward())
+    half = template_run(plain_backward(slice(0, 32)))
     for key in full:
         moved = (half[key] - full[key]).abs()
         assert (moved > 10 * TF_ATOL).float().mean() > 0.5, key  # most coordinates, 10x over
     with pytest.raises(AssertionError):
         assert_runs_agree(half, full, TF_ATOL, "a rank without the all-reduce")
-    summed = template_run(lambda x, y: (x, y), grad_scale=2.0)
+    summed = template_run(plain_backward(scale=2.0))
     moved = torch.cat([(summed[k] - full[k]).abs().flatten() for k in full])
     assert float(moved.median()) < TORCH_ATOL / 4
     with pytest.raises(AssertionError):
@@ -252,22 +258,15 @@ def compressed_run(dtype) -> dict:
     """The two-rank training written out in one process: each half-batch's gradient (a rank's),
     cast to `dtype`, summed in it, halved, cast back (what Compression.fp16 and gloo do for
     float16); dtype None: the float32 average."""
-    torch.manual_seed(0)
-    model = MLP(128)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
-    for step in range(STEPS):
-        x, y = classification_batch(0, step, GLOBAL_BATCH)
+    def backward(model, x, y):
         ranks = []
         for rows in (slice(0, 32), slice(32, 64)):
             model.zero_grad()
-            F.cross_entropy(model(x[rows]), y[rows]).backward()
+            plain_backward(rows)(model, x, y)
             ranks.append([p.grad.clone() for p in model.parameters()])
         for p, g0, g1 in zip(model.parameters(), *ranks):
             p.grad = (g0 + g1) / 2 if dtype is None else ((g0.to(dtype) + g1.to(dtype)) / 2).float()
-        opt.step()
-        sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return template_run(backward)
 
 
 def test_fp16_tolerance_separates_float16_from_bfloat16():
