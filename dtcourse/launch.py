@@ -236,8 +236,24 @@ def choose_device(device_arg: str, launch: Launch) -> torch.device:
     return torch.device("cuda", index)
 
 
-def setup(device: str = "auto", timeout_s: float = 120.0) -> Dist:
-    """Start the process group: NCCL on CUDA, gloo on CPU, with `timeout_s` for every collective.
+def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
+    """The process group's backend: gloo on CPU; NCCL on CUDA; "cpu:gloo,cuda:nccl" on CUDA when
+    the run also has collectives on CPU tensors (`cpu_collectives`).
+
+    NCCL moves GPU memory only. A run that keeps some state in CPU memory and reduces it there
+    (FSDP2's CPUOffloadPolicy: the gradient shards are CPU tensors, and clip_grad_norm_ all-reduces
+    their sums of squares on the CPU) fails on an NCCL-only group with "No backend type
+    associated with device type cpu". A device-mapped backend string gives one group two
+    backends: each collective goes to the backend of its tensors' device, gloo for CPU tensors,
+    NCCL for CUDA ones; the device mesh's sub-groups inherit both."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
+
+
+def setup(device: str = "auto", timeout_s: float = 120.0, cpu_collectives: bool = False) -> Dist:
+    """Start the process group: NCCL on CUDA, gloo on CPU, with `timeout_s` for every collective;
+    on CUDA with `cpu_collectives` (CPU offload), both: gloo for CPU tensors (see backend_for).
 
     With no launcher, a group of one on an in-memory store, so that DDP, FSDP and every collective
     run through the same code as on many ranks. The launcher's variables are written back as
@@ -253,7 +269,7 @@ def setup(device: str = "auto", timeout_s: float = 120.0) -> Dist:
         # of cores (the last digits of a loss, which Adam can grow). One thread per rank, as
         # torchrun sets for several ranks per node, gives every machine the same numbers.
         torch.set_num_threads(1)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
+    backend = backend_for(dev, cpu_collectives)
     timeout = timedelta(seconds=timeout_s)
     if launch.master_addr is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
@@ -334,10 +350,11 @@ def _wait_for_idle_gloo_workers(timeout_s: float = 5.0) -> None:
 
 
 @contextmanager
-def distributed(device: str = "auto", timeout_s: float = 120.0):
+def distributed(device: str = "auto", timeout_s: float = 120.0, cpu_collectives: bool = False):
     """`with distributed(args.device, args.timeout_s) as d:` runs the body in a started group and
-    tears it down however the body ends."""
-    d = setup(device, timeout_s)
+    tears it down however the body ends; `cpu_collectives=args.cpu_offload` where the run keeps
+    state on the CPU and reduces it there (see backend_for)."""
+    d = setup(device, timeout_s, cpu_collectives)
     try:
         yield d
     finally:

@@ -3,12 +3,14 @@ and the plain-state-dict export of the course's script contract.
 
     print0("step 3 | loss 2.1")                # rank 0 only
     bar = progress(args.steps, "train")         # tqdm on rank 0, a silent stand-in elsewhere
+    reset_peak(device)                          # before each model of a multi-model run
     mem = held_bytes(params=model.parameters(), grads=..., optimizer=opt, device=device)
     finish(d, args, metrics(d, script=..., strategy=..., ...), state_dict)  # rank 0 writes
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -82,6 +84,25 @@ def peak_bytes(device: torch.device) -> int | None:
     """CUDA's peak allocated bytes since start (or the last reset); None on CPU, which has no
     allocator statistics."""
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> int | None:
+    """Start a fresh peak-memory measurement: call it before building the next model of a run that
+    trains several one after the other, once the caller holds no reference to the previous one.
+
+    Resetting CUDA's peak counter is not enough: the previous model, its gradients and its AdamW
+    state may still be alive (FSDP2 modules and DDP's reducer sit in reference cycles, which only
+    the cycle collector frees), and the next peak would then include them. So: collect the
+    cycles, wait for the GPU's queued work, hand the cached blocks back, then reset. Returns the
+    bytes still allocated on the GPU (what the next peak starts from), None on CPU, where only
+    the cycles are collected (a CPU has no allocator statistics)."""
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def held_bytes(*, params: Iterable, grads: Iterable | None = None,

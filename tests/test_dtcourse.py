@@ -256,3 +256,54 @@ def test_teardown_removes_the_shared_memory_buffer_deepspeed_leaves(monkeypatch)
     finally:
         other.unlink(missing_ok=True)
         mine.unlink(missing_ok=True)
+
+
+def test_backend_for_adds_gloo_for_cpu_tensors_when_a_cuda_run_offloads():
+    """CPU offload on GPUs keeps FSDP2's gradient shards on the CPU, and clip_grad_norm_
+    all-reduces their squares there: an NCCL-only group fails ("No backend type associated with
+    device type cpu"). backend_for gives such a run a group with both backends, one per device
+    type, and leaves every other run as it was: gloo on CPU (offload or not), NCCL on CUDA."""
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    from dtcourse.launch import backend_for
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert backend_for(cpu) == backend_for(cpu, cpu_collectives=True) == "gloo"
+    assert backend_for(cuda) == "nccl"
+    mixed = backend_for(cuda, cpu_collectives=True)
+    assert BackendConfig(mixed).get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+
+
+def test_reset_peak_frees_the_previous_fsdp2_model_before_the_next_measurement():
+    """A script that trains several strategies one after the other resets CUDA's peak counter
+    before each; if the previous model, its gradients and its AdamW state are still alive then,
+    the next peak includes them. FSDP2 modules sit in reference cycles, so dropping the last
+    name does not free them (checked here, with the automatic collector off so that it cannot
+    run by chance); reset_peak collects them. On CPU it returns None (no allocator statistics)."""
+    code = """
+import gc, weakref, torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from dtcourse import launch, report
+d = launch.setup('cpu')
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+mesh = init_device_mesh('cpu', (1,))
+for layer in model:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+optimizer = torch.optim.AdamW(model.parameters())
+model(torch.ones(4, 8)).sum().backward()
+optimizer.step()
+gc.collect()
+gc.disable()
+ref = weakref.ref(model)
+del model, optimizer, layer
+alive = ref() is not None
+peak = report.reset_peak(d.device)
+print(alive, ref() is None, peak)
+gc.enable()
+launch.teardown()
+"""
+    out = subprocess.run([PYTHON, "-c", code], env=base_env(), capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-3:] == ["True", "True", "None"], out.stdout
