@@ -8,20 +8,24 @@ Launch (from the repository root):
     srun --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 python 01-ddp-basics/ddp_mnist.py
     mpirun -np 2 python 01-ddp-basics/ddp_mnist.py                 # OpenMPI, one node
 
+The three DDP ingredients, each marked below "DDP (n)":
+    1. a process group (gloo on CPU, NCCL on GPUs) that every rank joins (main, then the set-up
+       at the end of this file);
+    2. a DistributedSampler, so each rank reads a different slice of every epoch (make_loaders);
+    3. the model wrapped in DistributedDataParallel, which averages gradients during backward
+       (train).
+
 By default the digits are synthetic (seven-segment digits with random shifts, stroke widths and
 noise, generated from --seed), so the lesson runs anywhere without a download. With
 `--dataset mnist --data-dir DIR`, DIR must already hold torchvision's MNIST files (DIR/MNIST/raw).
 
-The three DDP ingredients, each marked below with "DDP:":
-    1. a process group (gloo on CPU, NCCL on GPUs) that every rank joins;
-    2. a DistributedSampler, so each rank reads a different slice of every epoch;
-    3. the model wrapped in DistributedDataParallel, which averages gradients during backward.
-
-This file writes the set-up of ingredient 1 out in full: which launcher started the process
-(torchrun or any launcher that sets RANK, srun, mpirun), who it is, where the ranks meet. Every
-later script of the course imports the same set-up from the shared module dtcourse.launch, which
-also checks that the launcher's variables agree with each other.
+This file writes the set-up of ingredient 1 out in full, after the training code: which launcher
+started the process (torchrun or any launcher that sets RANK, srun, mpirun), who it is, where the
+ranks meet. Every later script of the course imports the same set-up from the shared module
+dtcourse.launch, which also checks that the launcher's variables agree with each other.
 """
+
+from __future__ import annotations
 
 import gc
 import os
@@ -43,8 +47,184 @@ from dtcourse import cli, report
 SCRIPT = "01-ddp-basics/ddp_mnist.py"
 
 
+def main(argv=None):
+    args = parse_args(argv)
+    d = init_distributed(args.device, args.timeout_s)  # DDP (1): join the process group
+    try:
+        train(args, d)
+    finally:
+        teardown()
+
+
 # --------------------------------------------------------------------------------------------------
-# DDP (1): who am I, where do the ranks meet, and the process group
+# DDP (2) and (3): each rank reads its own slice; the model is wrapped; the training loop
+
+
+def train(args, d: Dist):
+    train_set, test_set = load_data(args)
+    if len(train_set) < d.world_size * args.batch_size:
+        cli.fail(f"{len(train_set)} training images cannot give {d.world_size} ranks a batch of "
+                 f"{args.batch_size} each")
+    train_sampler, train_loader, test_loader = make_loaders(args, d, train_set, test_set)
+    torch.manual_seed(args.seed)  # identical initial weights on every rank (DDP also broadcasts)
+    # DDP (3): wrap the model. Backward now ends with gradients averaged over all ranks.
+    model = DDP(ConvNet().to(d.device),
+                device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    report.print0(f"world {d.world_size} | device {d.device} | {len(train_set)} training images, "
+                  f"{len(test_set)} test | batch {args.batch_size} per rank, "
+                  f"{args.batch_size * d.world_size} global")
+    accuracy_before = evaluate(model, test_loader, d.device)
+    report.print0(f"before training: test accuracy {100 * accuracy_before:.2f}%")
+    losses, accuracies, t0 = [], [], time.perf_counter()
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch repeats the same order
+        epoch_losses = train_epoch(model, optimizer, train_loader, d.device, f"epoch {epoch + 1}")
+        # One all-reduce per epoch turns each rank's batch losses into global-batch means.
+        dist.all_reduce(epoch_losses)
+        losses += (epoch_losses / d.world_size).tolist()
+        accuracies.append(evaluate(model, test_loader, d.device))
+        report.print0(f"epoch {epoch + 1}/{args.epochs} | loss "
+                      f"{epoch_losses.mean() / d.world_size:.4f} | test accuracy "
+                      f"{100 * accuracies[-1]:.2f}%")
+    samples = len(losses) * args.batch_size * d.world_size
+    finish(args, d, model, optimizer, losses, accuracy_before, accuracies,
+           samples / (time.perf_counter() - t0))
+
+
+class ConvNet(nn.Module):
+    """(B, 1, 28, 28) -> conv 16 -> pool -> conv 32 -> pool -> (B, 32*7*7) -> 64 -> 10 logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 7 * 7, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)   # (B, 16, 14, 14)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)   # (B, 32, 7, 7)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def make_loaders(args, d: Dist, train_set, test_set):
+    # DDP (2): each rank reads its own slice. The sampler shuffles the indices with (seed, epoch),
+    # then rank r takes positions r, r+W, r+2W, ... So the W batches of step t together are exactly
+    # the global batch a single process with batch W*B would read at step t.
+    train_sampler = DistributedSampler(train_set, num_replicas=d.world_size, rank=d.rank,
+                                       shuffle=True, seed=args.seed, drop_last=True)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler,
+                              drop_last=True, pin_memory=d.device.type == "cuda")
+    # Evaluation: rank r scores test images r, r+W, r+2W, ...: every image exactly once. (A
+    # DistributedSampler pads the last round with repeats when W does not divide the test set, so
+    # some images would count twice.) Ranks may then see different numbers of test batches: fine,
+    # because the forward pass runs no collective here (no gradients, and ConvNet has no buffers
+    # for DDP to broadcast); the one collective of evaluate() comes after the loop.
+    test_loader = DataLoader(Subset(test_set, range(d.rank, len(test_set), d.world_size)),
+                             batch_size=256)
+    return train_sampler, train_loader, test_loader
+
+
+def train_epoch(model, optimizer, loader, device, desc: str) -> torch.Tensor:
+    """One pass over this rank's slice of the training set; this rank's loss of every step."""
+    bar = report.progress(len(loader), desc)
+    step_losses = []
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()          # gradients all-reduced (averaged) here, bucket by bucket
+        optimizer.step()         # same averaged gradients -> same weights on every rank
+        step_losses.append(loss.detach())
+        bar.update()
+    bar.close()
+    return torch.stack(step_losses)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device) -> float:
+    """Accuracy over the whole test set: each rank counts its slice, then one all-reduce."""
+    model.eval()
+    counts = torch.zeros(2, device=device)  # [correct, seen]
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        counts[0] += (model(x).argmax(1) == y).sum()
+        counts[1] += y.numel()
+    dist.all_reduce(counts)  # sum over ranks
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+def finish(args, d: Dist, model, optimizer, losses, accuracy_before, accuracies, samples_per_s):
+    """Rank 0 writes --metrics-out and --export; every rank waits until they are complete."""
+    # Every rank holds a full replica: with Adam, 4 bytes per parameter of weights, 4 of .grad and
+    # 8 of moments, the 16 that per_rank counts; DDP's gradient buckets (the default
+    # gradient_as_bucket_view=False keeps them beside .grad) hold 4 more, not counted here.
+    per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,
+                                               device=d.device))
+    metrics = report.metrics(d, script=SCRIPT, strategy="ddp", steps=len(losses),
+                             global_batch=args.batch_size * d.world_size, losses=losses,
+                             samples_per_s=samples_per_s, per_rank=per_rank,
+                             dataset=args.dataset, epochs=args.epochs,
+                             test_accuracy_before=accuracy_before, test_accuracy=accuracies)
+    report.finish(args, metrics, model.module.state_dict())  # the plain model, without DDP
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+
+# Seven-segment glyphs: which of the segments (top, top-left, top-right, middle, bottom-left,
+# bottom-right, bottom) are lit for each digit.
+SEGMENTS = {0: "abcefg", 1: "cf", 2: "acdeg", 3: "acdfg", 4: "bcdf", 5: "abdfg", 6: "abdefg",
+            7: "acf", 8: "abcdefg", 9: "abcdfg"}
+
+
+def synthetic_digits(n: int, seed: int) -> TensorDataset:
+    """n 28x28 digit images (1 channel, normalised) and labels, a pure function of (n, seed)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (n,), generator=g)
+    thick = torch.randint(2, 4, (n,), generator=g)          # stroke width 2 or 3 pixels
+    dx = torch.randint(-4, 5, (n,), generator=g)            # position jitter
+    dy = torch.randint(-3, 4, (n,), generator=g)
+    yy, xx = torch.meshgrid(torch.arange(28), torch.arange(28), indexing="ij")
+    yy, xx = yy[None] - dy[:, None, None], xx[None] - dx[:, None, None]  # (n, 28, 28)
+    t = thick[:, None, None]
+    left, right, top, mid, bottom = 9, 18, 5, 13, 22  # glyph box at the centre of the image
+    horizontal = (xx >= left) & (xx <= right)
+    segments = {
+        "a": horizontal & (yy >= top) & (yy < top + t),
+        "d": horizontal & (yy >= mid) & (yy < mid + t),
+        "g": horizontal & (yy > bottom - t) & (yy <= bottom),
+        "b": (xx >= left) & (xx < left + t) & (yy >= top) & (yy <= mid),
+        "c": (xx > right - t) & (xx <= right) & (yy >= top) & (yy <= mid),
+        "e": (xx >= left) & (xx < left + t) & (yy >= mid) & (yy <= bottom),
+        "f": (xx > right - t) & (xx <= right) & (yy >= mid) & (yy <= bottom),
+    }
+    images = torch.zeros(n, 28, 28)
+    for seg, mask in segments.items():
+        lit = torch.tensor([seg in SEGMENTS[d] for d in range(10)])[labels]  # (n,)
+        images = torch.maximum(images, (mask & lit[:, None, None]).float())
+    images = images * (0.6 + 0.4 * torch.rand(n, 1, 1, generator=g))   # ink intensity
+    images = images + 0.25 * torch.randn(n, 28, 28, generator=g)        # sensor noise
+    return TensorDataset(((images - 0.15) / 0.35).unsqueeze(1), labels)
+
+
+def load_data(args):
+    if args.dataset == "synthetic":
+        # Different seeds, so the test digits are not the training digits.
+        return (synthetic_digits(args.train_size, args.seed),
+                synthetic_digits(args.test_size, args.seed + 1))
+    from torchvision import datasets, transforms  # only needed for real MNIST
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    # download=False: a missing dataset is an error (checked in parse_args), never a silent hang.
+    return (datasets.MNIST(args.data_dir, train=True, download=False, transform=tf),
+            datasets.MNIST(args.data_dir, train=False, download=False, transform=tf))
+
+
+# --------------------------------------------------------------------------------------------------
+# DDP (1): who am I, where do the ranks meet, and the process group (main calls it first)
 
 
 class Launch(NamedTuple):
@@ -160,173 +340,6 @@ def teardown() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# DDP (2) and (3): each rank reads its own slice; the model is wrapped; the training loop
-
-
-class ConvNet(nn.Module):
-    """(B, 1, 28, 28) -> conv 16 -> pool -> conv 32 -> pool -> (B, 32*7*7) -> 64 -> 10 logits."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 7 * 7, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)   # (B, 16, 14, 14)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)   # (B, 32, 7, 7)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-def make_loaders(args, d: Dist, train_set, test_set):
-    # DDP (2): each rank reads its own slice. The sampler shuffles the indices with (seed, epoch),
-    # then rank r takes positions r, r+W, r+2W, ... So the W batches of step t together are exactly
-    # the global batch a single process with batch W*B would read at step t.
-    train_sampler = DistributedSampler(train_set, num_replicas=d.world_size, rank=d.rank,
-                                       shuffle=True, seed=args.seed, drop_last=True)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler,
-                              drop_last=True, pin_memory=d.device.type == "cuda")
-    # Evaluation: rank r scores test images r, r+W, r+2W, ...: every image exactly once. (A
-    # DistributedSampler pads the last round with repeats when W does not divide the test set, so
-    # some images would count twice.) Ranks may then see different numbers of test batches: fine,
-    # because the forward pass runs no collective here (no gradients, and ConvNet has no buffers
-    # for DDP to broadcast); the one collective of evaluate() comes after the loop.
-    test_loader = DataLoader(Subset(test_set, range(d.rank, len(test_set), d.world_size)),
-                             batch_size=256)
-    return train_sampler, train_loader, test_loader
-
-
-def train_epoch(model, optimizer, loader, device, desc: str) -> torch.Tensor:
-    """One pass over this rank's slice of the training set; this rank's loss of every step."""
-    bar = report.progress(len(loader), desc)
-    step_losses = []
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()          # gradients all-reduced (averaged) here, bucket by bucket
-        optimizer.step()         # same averaged gradients -> same weights on every rank
-        step_losses.append(loss.detach())
-        bar.update()
-    bar.close()
-    return torch.stack(step_losses)
-
-
-@torch.no_grad()
-def evaluate(model, loader, device) -> float:
-    """Accuracy over the whole test set: each rank counts its slice, then one all-reduce."""
-    model.eval()
-    counts = torch.zeros(2, device=device)  # [correct, seen]
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        counts[0] += (model(x).argmax(1) == y).sum()
-        counts[1] += y.numel()
-    dist.all_reduce(counts)  # sum over ranks
-    model.train()
-    return (counts[0] / counts[1]).item()
-
-
-def train(args, d: Dist):
-    train_set, test_set = load_data(args)
-    if len(train_set) < d.world_size * args.batch_size:
-        cli.fail(f"{len(train_set)} training images cannot give {d.world_size} ranks a batch of "
-                 f"{args.batch_size} each")
-    train_sampler, train_loader, test_loader = make_loaders(args, d, train_set, test_set)
-    torch.manual_seed(args.seed)  # identical initial weights on every rank (DDP also broadcasts)
-    # DDP (3): wrap the model. Backward now ends with gradients averaged over all ranks.
-    model = DDP(ConvNet().to(d.device),
-                device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-
-    report.print0(f"world {d.world_size} | device {d.device} | {len(train_set)} training images, "
-                  f"{len(test_set)} test | batch {args.batch_size} per rank, "
-                  f"{args.batch_size * d.world_size} global")
-    accuracy_before = evaluate(model, test_loader, d.device)
-    report.print0(f"before training: test accuracy {100 * accuracy_before:.2f}%")
-    losses, accuracies, t0 = [], [], time.perf_counter()
-    for epoch in range(args.epochs):
-        train_sampler.set_epoch(epoch)  # without it every epoch repeats the same order
-        epoch_losses = train_epoch(model, optimizer, train_loader, d.device, f"epoch {epoch + 1}")
-        # One all-reduce per epoch turns each rank's batch losses into global-batch means.
-        dist.all_reduce(epoch_losses)
-        losses += (epoch_losses / d.world_size).tolist()
-        accuracies.append(evaluate(model, test_loader, d.device))
-        report.print0(f"epoch {epoch + 1}/{args.epochs} | loss "
-                      f"{epoch_losses.mean() / d.world_size:.4f} | test accuracy "
-                      f"{100 * accuracies[-1]:.2f}%")
-    samples = len(losses) * args.batch_size * d.world_size
-    finish(args, d, model, optimizer, losses, accuracy_before, accuracies,
-           samples / (time.perf_counter() - t0))
-
-
-def finish(args, d: Dist, model, optimizer, losses, accuracy_before, accuracies, samples_per_s):
-    """Rank 0 writes --metrics-out and --export; every rank waits until they are complete."""
-    # Every rank holds a full replica: with Adam, 4 bytes per parameter of weights, 4 of .grad and
-    # 8 of moments, the 16 that per_rank counts; DDP's gradient buckets (the default
-    # gradient_as_bucket_view=False keeps them beside .grad) hold 4 more, not counted here.
-    per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,
-                                               device=d.device))
-    metrics = report.metrics(d, script=SCRIPT, strategy="ddp", steps=len(losses),
-                             global_batch=args.batch_size * d.world_size, losses=losses,
-                             samples_per_s=samples_per_s, per_rank=per_rank,
-                             dataset=args.dataset, epochs=args.epochs,
-                             test_accuracy_before=accuracy_before, test_accuracy=accuracies)
-    report.finish(args, metrics, model.module.state_dict())  # the plain model, without DDP
-
-
-# --------------------------------------------------------------------------------------------------
-# Data
-
-# Seven-segment glyphs: which of the segments (top, top-left, top-right, middle, bottom-left,
-# bottom-right, bottom) are lit for each digit.
-SEGMENTS = {0: "abcefg", 1: "cf", 2: "acdeg", 3: "acdfg", 4: "bcdf", 5: "abdfg", 6: "abdefg",
-            7: "acf", 8: "abcdefg", 9: "abcdfg"}
-
-
-def synthetic_digits(n: int, seed: int) -> TensorDataset:
-    """n 28x28 digit images (1 channel, normalised) and labels, a pure function of (n, seed)."""
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 10, (n,), generator=g)
-    thick = torch.randint(2, 4, (n,), generator=g)          # stroke width 2 or 3 pixels
-    dx = torch.randint(-4, 5, (n,), generator=g)            # position jitter
-    dy = torch.randint(-3, 4, (n,), generator=g)
-    yy, xx = torch.meshgrid(torch.arange(28), torch.arange(28), indexing="ij")
-    yy, xx = yy[None] - dy[:, None, None], xx[None] - dx[:, None, None]  # (n, 28, 28)
-    t = thick[:, None, None]
-    left, right, top, mid, bottom = 9, 18, 5, 13, 22  # glyph box at the centre of the image
-    horizontal = (xx >= left) & (xx <= right)
-    segments = {
-        "a": horizontal & (yy >= top) & (yy < top + t),
-        "d": horizontal & (yy >= mid) & (yy < mid + t),
-        "g": horizontal & (yy > bottom - t) & (yy <= bottom),
-        "b": (xx >= left) & (xx < left + t) & (yy >= top) & (yy <= mid),
-        "c": (xx > right - t) & (xx <= right) & (yy >= top) & (yy <= mid),
-        "e": (xx >= left) & (xx < left + t) & (yy >= mid) & (yy <= bottom),
-        "f": (xx > right - t) & (xx <= right) & (yy >= mid) & (yy <= bottom),
-    }
-    images = torch.zeros(n, 28, 28)
-    for seg, mask in segments.items():
-        lit = torch.tensor([seg in SEGMENTS[d] for d in range(10)])[labels]  # (n,)
-        images = torch.maximum(images, (mask & lit[:, None, None]).float())
-    images = images * (0.6 + 0.4 * torch.rand(n, 1, 1, generator=g))   # ink intensity
-    images = images + 0.25 * torch.randn(n, 28, 28, generator=g)        # sensor noise
-    return TensorDataset(((images - 0.15) / 0.35).unsqueeze(1), labels)
-
-
-def load_data(args):
-    if args.dataset == "synthetic":
-        # Different seeds, so the test digits are not the training digits.
-        return (synthetic_digits(args.train_size, args.seed),
-                synthetic_digits(args.test_size, args.seed + 1))
-    from torchvision import datasets, transforms  # only needed for real MNIST
-    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
-    # download=False: a missing dataset is an error (checked in parse_args), never a silent hang.
-    return (datasets.MNIST(args.data_dir, train=True, download=False, transform=tf),
-            datasets.MNIST(args.data_dir, train=False, download=False, transform=tf))
-
-
-# --------------------------------------------------------------------------------------------------
 # Arguments and launch
 
 
@@ -350,15 +363,6 @@ def parse_args(argv=None):
             cli.fail(f"no MNIST in {args.data_dir}: expected {args.data_dir / 'MNIST' / 'raw'} "
                      "(download it once with torchvision.datasets.MNIST(DIR, download=True))")
     return args
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    d = init_distributed(args.device, args.timeout_s)
-    try:
-        train(args, d)
-    finally:
-        teardown()
 
 
 if __name__ == "__main__":
