@@ -65,15 +65,82 @@ STRATEGIES = {
     "no-shard": (ShardingStrategy.NO_SHARD, True, "2d"),  # FSDP2: shard groups of one rank
     "hybrid": (ShardingStrategy.HYBRID_SHARD, True, "2d"),
 }
-WRAPS = ("block", "size", "none")
-# The all-gathers FSDP1 and FSDP2 issue through torch.distributed, each (output(s), input(s), ...):
-# all_gather_into_tensor, its coalesced form, and all_gather into a list (FSDP1 on CPU)
-ALL_GATHERS = {"c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced_",
-               "c10d::allgather_"}
+
+
+# --------------------------------------------------------------------------------------------------
+# The mechanism: the same GPT under either API, and the step's one difference
+
+
+def build_fsdp1(args, strategy: str, wrap: str, mesh, d):
+    """FullyShardedDataParallel: one call wraps the model and, by the policy, its units."""
+    with torch.device("meta"):  # shapes only; FSDP1 materialises each unit with param_init_fn
+        model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers)
+    kw = {}
+    if strategy != "no-shard":  # hybrid: a 2-D (replicate, shard) mesh, as FSDP2's
+        kw["device_mesh"] = mesh
+    if args.mixed_precision == "bf16":
+        # gather and compute in bf16, reduce gradients in fp32 (buffers: GPT has none)
+        kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32,
+                                               buffer_dtype=torch.bfloat16)
+    model = FullyShardedDataParallel(
+        model,
+        sharding_strategy=STRATEGIES[strategy][0],
+        auto_wrap_policy=fsdp1_policy(wrap, args.min_params),
+        cpu_offload=CPUOffload(offload_params=args.cpu_offload),
+        device_id=d.device,
+        # allocate each module's storage on the device before it is flattened and sharded
+        param_init_fn=lambda m: m.to_empty(device=d.device, recurse=False),
+        # keep the model's own parameters visible (as views into the flat shards): needed for
+        # per-parameter optimizer groups, frozen parameters in a unit and torch.compile
+        use_orig_params=True,
+        **kw)
+    # Fill the weights: every unit gathered at once, init_gpt writes the full tensors, writeback
+    # copies each rank's part into its flat shard. (Names inside this context are the plain
+    # model's: FSDP1 strips its `_fsdp_wrapped_module.` prefixes there.)
+    with FullyShardedDataParallel.summon_full_params(model, writeback=True):
+        init_gpt(model, args.seed, layers=args.layers)
+    return model
+
+
+def build_fsdp2(args, strategy: str, wrap: str, mesh, d):
+    """fully_shard on each unit, then on the root: the model stays a GPT."""
+    with torch.device("meta"):
+        model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers)
+    kw = {"mesh": mesh}
+    if args.mixed_precision == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
+    if args.cpu_offload:
+        # the shards and their gradients on the CPU: clip() then all-reduces there (see main)
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=d.device.type == "cuda")
+    for unit in fsdp2_units(model, wrap, args.min_params):
+        fully_shard(unit, reshard_after_forward=STRATEGIES[strategy][1], **kw)
+    # The root keeps its parameters from forward to backward, which opens with its head: what
+    # FSDP1 does for its root under FULL_SHARD too (_post_forward_reshard skips the root).
+    fully_shard(model, reshard_after_forward=False, **kw)
+    model.to_empty(device="cpu" if args.cpu_offload else d.device)
+    init_gpt(model, args.seed)  # each rank fills its rows of every DTensor
+    return model
+
+
+def clip(model, api: str, max_norm: float) -> float:
+    """The global gradient norm, clipped to max_norm (0: not clipped). FSDP1's flat shards are
+    plain tensors: only FullyShardedDataParallel.clip_grad_norm_ knows to all-reduce the squares
+    over the ranks (torch.nn.utils' would clip by this rank's shard norm). FSDP2's gradients are
+    DTensors, so torch.nn.utils.clip_grad_norm_ computes the global norm itself."""
+    max_norm = max_norm or float("inf")  # inf: the clip factor clamps to exactly 1
+    if api == "fsdp1":
+        return model.clip_grad_norm_(max_norm).item()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
 # --------------------------------------------------------------------------------------------------
 # Which modules become units: FSDP1 takes a policy, FSDP2 takes a list you compute
+
+
+WRAPS = ("block", "size", "none")
 
 
 def fsdp1_policy(wrap: str, min_params: int):
@@ -123,68 +190,12 @@ def unit_names(model: nn.Module, api: str) -> list:
     return [n for n in names if n and n != "_fsdp_wrapped_module"] + ["root"]
 
 
-# --------------------------------------------------------------------------------------------------
-# Build: the same GPT under either API
-
-
 def build_mesh(strategy: str, shard_size: int, d):
     if STRATEGIES[strategy][2] == "1d":
         return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
     shard = 1 if strategy == "no-shard" else shard_size
     return init_device_mesh(d.device.type, (d.world_size // shard, shard),
                             mesh_dim_names=("replicate", "shard"))
-
-
-def build_fsdp1(args, strategy: str, wrap: str, mesh, d):
-    """FullyShardedDataParallel: one call wraps the model and, by the policy, its units."""
-    with torch.device("meta"):  # shapes only; FSDP1 materialises each unit with param_init_fn
-        model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers)
-    kw = {}
-    if strategy != "no-shard":  # hybrid: a 2-D (replicate, shard) mesh, as FSDP2's
-        kw["device_mesh"] = mesh
-    if args.mixed_precision == "bf16":
-        # gather and compute in bf16, reduce gradients in fp32 (buffers: GPT has none)
-        kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16,
-                                               reduce_dtype=torch.float32,
-                                               buffer_dtype=torch.bfloat16)
-    model = FullyShardedDataParallel(
-        model,
-        sharding_strategy=STRATEGIES[strategy][0],
-        auto_wrap_policy=fsdp1_policy(wrap, args.min_params),
-        cpu_offload=CPUOffload(offload_params=args.cpu_offload),
-        device_id=d.device,
-        # allocate each module's storage on the device before it is flattened and sharded
-        param_init_fn=lambda m: m.to_empty(device=d.device, recurse=False),
-        # keep the model's own parameters visible (as views into the flat shards): needed for
-        # per-parameter optimizer groups, frozen parameters in a unit and torch.compile
-        use_orig_params=True,
-        **kw)
-    # Fill the weights: every unit gathered at once, init_gpt writes the full tensors, writeback
-    # copies each rank's part into its flat shard. (Names inside this context are the plain
-    # model's: FSDP1 strips its `_fsdp_wrapped_module.` prefixes there.)
-    with FullyShardedDataParallel.summon_full_params(model, writeback=True):
-        init_gpt(model, args.seed, layers=args.layers)
-    return model
-
-
-def build_fsdp2(args, strategy: str, wrap: str, mesh, d):
-    """fully_shard on each unit, then on the root: the model stays a GPT."""
-    with torch.device("meta"):
-        model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers)
-    kw = {"mesh": mesh}
-    if args.mixed_precision == "bf16":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                               reduce_dtype=torch.float32)
-    if args.cpu_offload:
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=d.device.type == "cuda")
-    for unit in fsdp2_units(model, wrap, args.min_params):
-        fully_shard(unit, reshard_after_forward=STRATEGIES[strategy][1], **kw)
-    # The root keeps its parameters from forward to backward, which opens with its head: what
-    # FSDP1 does for its root under FULL_SHARD too (_post_forward_reshard skips the root).
-    fully_shard(model, reshard_after_forward=False, **kw)
-    model.to_empty(device="cpu" if args.cpu_offload else d.device)
-    init_gpt(model, args.seed)  # each rank fills its rows of every DTensor
-    return model
 
 
 def describe(args, api: str, strategy: str, wrap: str, mesh, model) -> str:
@@ -214,6 +225,12 @@ def describe(args, api: str, strategy: str, wrap: str, mesh, model) -> str:
 
 # --------------------------------------------------------------------------------------------------
 # Measure: the gathered parameters that exist at once
+
+
+# The all-gathers FSDP1 and FSDP2 issue through torch.distributed, each (output(s), input(s), ...):
+# all_gather_into_tensor, its coalesced form, and all_gather into a list (FSDP1 on CPU)
+ALL_GATHERS = {"c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced_",
+               "c10d::allgather_"}
 
 
 class GatheredBytes(TorchDispatchMode):
@@ -271,20 +288,9 @@ def _tensors(x) -> list:
 # Train
 
 
-def clip(model, api: str, max_norm: float) -> float:
-    """The global gradient norm, clipped to max_norm (0: not clipped). FSDP1's flat shards are
-    plain tensors: only FullyShardedDataParallel.clip_grad_norm_ knows to all-reduce the squares
-    over the ranks (torch.nn.utils' would clip by this rank's shard norm). FSDP2's gradients are
-    DTensors, so torch.nn.utils.clip_grad_norm_ computes the global norm itself."""
-    max_norm = max_norm or float("inf")  # inf: the clip factor clamps to exactly 1
-    if api == "fsdp1":
-        return model.clip_grad_norm_(max_norm).item()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
-
-
 def train(args, api: str, strategy: str, wrap: str, d, several: bool):
     """One fresh model under one API and wrap policy; returns (metrics, full state dict)."""
+    report.reset_peak(d.device)  # the previous run's model freed: this one's own peak
     mesh = build_mesh(strategy, args.shard_size, d)
     model = (build_fsdp1 if api == "fsdp1" else build_fsdp2)(args, strategy, wrap, mesh, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -465,7 +471,8 @@ def check_shard_size(args, d) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    with launch.distributed(args.device, args.timeout_s) as d:
+    # FSDP2's CPU offload keeps gradient shards on the CPU: on GPUs, gloo beside NCCL
+    with launch.distributed(args.device, args.timeout_s, cpu_collectives=args.cpu_offload) as d:
         check_shard_size(args, d)
         report.print0(f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, seq "
                       f"{args.seq_len}, vocab {args.vocab} | strategy {args.strategy} | world "

@@ -52,7 +52,29 @@ TARGETS = ("q", "k", "v", "proj", "fc1", "fc2")
 
 
 # --------------------------------------------------------------------------------------------------
-# LoRA
+# The mechanism: adapters on a frozen base, each block one FSDP unit of both
+
+
+def build(args, method: str, d):
+    """A GPT (with adapters for lora), fully sharded per block, then materialised and filled."""
+    with torch.device("meta"):
+        model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers)
+        adapted = add_lora(model, args.rank, args.alpha, args.targets) if method == "lora" else []
+    mesh = init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
+    # One unit per block holds its frozen W's and its trainable A's and B's together: FSDP2 keeps
+    # requires_grad per parameter, so only A and B get gradient shards and reduce-scatters.
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)  # embeddings, final norm, head
+    model.to_empty(device=d.device)
+    if adapted:
+        init_lora_gpt(model, args.seed, args.layers, adapted)
+    else:
+        init_gpt(model, args.seed)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # AdamW on the trainable parameters only: the frozen base has no optimizer state at all
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.01)
+    return model, optimizer, adapted
 
 
 class LoRALinear(nn.Module):
@@ -88,6 +110,10 @@ def add_lora(model: GPT, r: int, alpha: float, targets) -> list:
     return adapted
 
 
+# --------------------------------------------------------------------------------------------------
+# Initial weights and the merged export
+
+
 @torch.no_grad()
 def init_lora_gpt(model: GPT, seed: int, layers: int, adapted: list) -> None:
     """Every base weight to its value in the plain GPT (init_gpt by the plain GPT's names, so the
@@ -118,33 +144,12 @@ def merge_lora(state_dict: dict, scale: float) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Build, train, measure
-
-
-def build(args, method: str, d):
-    """A GPT (with adapters for lora), fully sharded per block, then materialised and filled."""
-    with torch.device("meta"):
-        model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers)
-        adapted = add_lora(model, args.rank, args.alpha, args.targets) if method == "lora" else []
-    mesh = init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
-    # One unit per block holds its frozen W's and its trainable A's and B's together: FSDP2 keeps
-    # requires_grad per parameter, so only A and B get gradient shards and reduce-scatters.
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)  # embeddings, final norm, head
-    model.to_empty(device=d.device)
-    if adapted:
-        init_lora_gpt(model, args.seed, args.layers, adapted)
-    else:
-        init_gpt(model, args.seed)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    # AdamW on the trainable parameters only: the frozen base has no optimizer state at all
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.01)
-    return model, optimizer, adapted
+# Train and measure
 
 
 def train(args, method: str, d):
     """Returns (metrics, full state dict on rank 0)."""
+    report.reset_peak(d.device)  # the previous method's model freed: this one's own peak
     model, optimizer, adapted = build(args, method, d)
     n_total = sum(p.numel() for p in model.parameters())  # global shapes of the DTensors
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)

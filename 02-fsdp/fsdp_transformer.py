@@ -50,56 +50,33 @@ except ImportError:
                                                     MixedPrecisionPolicy, fully_shard)
 
 SCRIPT = "02-fsdp/fsdp_transformer.py"
-# --strategy -> (FSDP1 ShardingStrategy it reproduces, reshard_after_forward, what each rank keeps)
-STRATEGIES = {
-    "full": ("FULL_SHARD", True, "params, grads and optimizer state sharded over all ranks"),
-    "grad-op": ("SHARD_GRAD_OP", False, "as full, but params stay gathered from forward to "
-                                        "backward (ZeRO-2-like: fewer all-gathers, more memory)"),
-    "no-shard": ("NO_SHARD", True, "a 2-D mesh (world, 1): shard groups of one rank, so every "
-                                   "rank keeps everything and gradients are all-reduced (DDP)"),
-    "hybrid": ("HYBRID_SHARD", True, "a 2-D mesh (world/S, S): shard inside groups of S ranks "
-                                     "(a node), replicate across groups (all-reduce)"),
-    "ddp": ("-", None, "torch DistributedDataParallel on the same model, for comparison"),
-}
-# Dense bf16 tensor-core peaks (TFLOP/s) from NVIDIA's data sheets; the first name that matches
-# torch.cuda.get_device_name() wins (the NVL parts, at lower clocks, before the plain names).
-# Anything else: pass --peak-tflops.
-PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0),
-                    ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
 
 
 # --------------------------------------------------------------------------------------------------
-# Build and wrap: a mesh per strategy, one FSDP unit per block
-
-
-def build_mesh(strategy: str, shard_size: int, d):
-    """The device mesh of the strategy; None for DDP."""
-    if strategy == "ddp":
-        return None
-    if strategy in ("full", "grad-op"):
-        return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
-    shard = 1 if strategy == "no-shard" else shard_size
-    return init_device_mesh(d.device.type, (d.world_size // shard, shard),
-                            mesh_dim_names=("replicate", "shard"))
+# The mechanism: one FSDP unit per block, the mixed-precision policy, one step
 
 
 def shard_model(model: GPT, strategy: str, mesh, args, device) -> None:
     """fully_shard every block, then the root (embeddings, final norm, head become its unit).
 
-    Why per block: FSDP gathers one unit at a time, so peak memory holds the shards plus ~one
-    block's full parameters; wrapping only the root would gather the whole model at once.
+    Why per block: FSDP gathers a unit when it is needed and frees it after, so peak memory holds
+    the shards plus a few units' full parameters (the root, the block computing, the next one
+    prefetched); wrapping only the root would gather the whole model at once.
     Children first: a parameter belongs to the innermost fully_shard'ed module that owns it.
     The root (embeddings, final norm, head) stays unsharded after forward, as torch recommends
     and as FSDP2's default (None) and FSDP1's FULL_SHARD both do: backward needs the head first,
     so resharding it would only buy an immediate second all-gather.
     """
+    # reshard_after_forward: True frees a block's gathered parameters after its forward and
+    # gathers them again in backward; False keeps them (grad-op). The table is STRATEGIES below.
     kw = {"mesh": mesh, "reshard_after_forward": STRATEGIES[strategy][1]}
     if args.mixed_precision == "bf16":
         # all-gather and compute in bf16; gradients reduced (and kept) in fp32
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32)
     if args.cpu_offload:
-        # shards, grads and the optimizer step live in CPU memory; pinned memory needs CUDA
+        # shards, grads and the optimizer step live in CPU memory; pinned memory needs CUDA.
+        # clip_grad_norm_ then all-reduces on the CPU: on GPUs, gloo beside NCCL (see main)
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for block in model.blocks:
         fully_shard(block, **kw)
@@ -134,10 +111,6 @@ def build(args, strategy: str, d):
         assert isinstance(p, DTensor) and p.placements[-1].is_shard(), p
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     return model, mesh, optimizer
-
-
-# --------------------------------------------------------------------------------------------------
-# One optimizer step
 
 
 def train_step(args, d, model, mesh, optimizer, x_local, y_local, comm, between=None):
@@ -176,11 +149,40 @@ def train_step(args, d, model, mesh, optimizer, x_local, y_local, comm, between=
 
 
 # --------------------------------------------------------------------------------------------------
+# The strategies: what each rank keeps, and the mesh each one shards over
+
+
+# --strategy -> (FSDP1 ShardingStrategy it reproduces, reshard_after_forward, what each rank keeps)
+STRATEGIES = {
+    "full": ("FULL_SHARD", True, "params, grads and optimizer state sharded over all ranks"),
+    "grad-op": ("SHARD_GRAD_OP", False, "as full, but params stay gathered from forward to "
+                                        "backward (ZeRO-2-like: fewer all-gathers, more memory)"),
+    "no-shard": ("NO_SHARD", True, "a 2-D mesh (world, 1): shard groups of one rank, so every "
+                                   "rank keeps everything and gradients are all-reduced (DDP)"),
+    "hybrid": ("HYBRID_SHARD", True, "a 2-D mesh (world/S, S): shard inside groups of S ranks "
+                                     "(a node), replicate across groups (all-reduce)"),
+    "ddp": ("-", None, "torch DistributedDataParallel on the same model, for comparison"),
+}
+
+
+def build_mesh(strategy: str, shard_size: int, d):
+    """The device mesh of the strategy; None for DDP."""
+    if strategy == "ddp":
+        return None
+    if strategy in ("full", "grad-op"):
+        return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
+    shard = 1 if strategy == "no-shard" else shard_size
+    return init_device_mesh(d.device.type, (d.world_size // shard, shard),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+# --------------------------------------------------------------------------------------------------
 # The loop
 
 
 def train(args, strategy: str, d):
     """Train a fresh model with one strategy; return (metrics, full state dict on rank 0)."""
+    report.reset_peak(d.device)  # the previous strategy's model freed: this one's own peak
     model, mesh, optimizer = build(args, strategy, d)
     global_bs = d.world_size * args.batch_size * args.grad_accum  # every rank is data-parallel
     print_header(args, strategy, d, mesh, sum(p.numel() for p in model.parameters()), global_bs)
@@ -249,6 +251,13 @@ def synchronize(device) -> None:
 # The report: what each rank holds, what one step sent, throughput
 
 
+# Dense bf16 tensor-core peaks (TFLOP/s) from NVIDIA's data sheets; the first name that matches
+# torch.cuda.get_device_name() wins (the NVL parts, at lower clocks, before the plain names).
+# Anything else: pass --peak-tflops.
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0),
+                    ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
+
+
 def print_header(args, strategy: str, d, mesh, n_params: int, global_bs: int) -> None:
     report.print0(f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, seq "
                   f"{args.seq_len}, vocab {args.vocab}: {n_params:,} parameters (P)")
@@ -279,8 +288,6 @@ def report_run(args, strategy: str, d, model, mesh, optimizer, losses, grad_norm
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
         if args.export else None
     mfu = model_flops_utilization(args, n_params, tokens_per_s, d)
-    if d.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(d.device)  # the next strategy measures its own peak
     held, group = per_rank[0], 1 if mesh is None else mesh.size(mesh.ndim - 1)
     report.print0("one step's collectives (rank 0; MB = whole tensors, sent = this rank's ring "
                   "share): " + (" | ".join(
@@ -414,7 +421,8 @@ def check_shard_size(args, d) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    with launch.distributed(args.device, args.timeout_s) as d:
+    # CPU offload keeps gradient shards on the CPU: on GPUs the group needs gloo beside NCCL
+    with launch.distributed(args.device, args.timeout_s, cpu_collectives=args.cpu_offload) as d:
         check_shard_size(args, d)
         write_results(args, d, [train(args, strategy, d) for strategy in args.strategy])
 

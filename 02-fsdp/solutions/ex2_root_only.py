@@ -82,7 +82,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    with launch.distributed(args.device, args.timeout_s) as d:
+    # --cpu-offload: gradient shards on the CPU, so on GPUs the group needs gloo beside NCCL
+    with launch.distributed(args.device, args.timeout_s, cpu_collectives=args.cpu_offload) as d:
         run(args, d)
 
 
