@@ -10,8 +10,13 @@ Launch (from the repository root):
 The lineage (ZeRO, Rajbhandari et al. 2019, stage by stage):
     fairscale OSS (2020)          ZeRO-1: each rank keeps the Adam state of 1/N of the params,
                                   steps them, then broadcasts the updated params to the others.
-    + ShardedDataParallel         ZeRO-2: each gradient is *reduced* (not all-reduced) to the one
-                                  rank that owns it; the other ranks drop it.
+    + ShardedDataParallel         each gradient is *reduced* (not all-reduced) to the one rank
+                                  that owns it. ZeRO-2's gradient memory needs
+                                  reduce_buffer_size=0: then the other ranks drop each gradient
+                                  once it is sent. By default (2**23 elements) the gradients that
+                                  fit a reduce bucket (one per owner rank) are views into it and
+                                  stay on every rank: on this small model, all of them (the
+                                  grads column of the output).
     torch ZeroRedundancyOptimizer OSS upstreamed into torch (1.8): ZeRO-1 beside plain DDP.
     fairscale FSDP (2021)         ZeRO-3: params sharded too -> upstreamed as torch FSDP (FSDP1,
                                   flat parameters), rewritten as FSDP2 (per-parameter DTensors).
@@ -60,6 +65,10 @@ def build(impl: str, args, device):
         from fairscale.nn.data_parallel import ShardedDataParallel
         from fairscale.optim.oss import OSS
         opt = OSS(model.parameters(), optim=torch.optim.AdamW, **adamw)  # partitions by size
+        # Default reduce_buffer_size=2**23 elements (fairscale 0.4.13's code; its docstring says
+        # 0): every rank keeps a bucket per owner rank, so the gradients that fit stay whole on
+        # every rank (here all of them). reduce_buffer_size=0 reduces tensor by tensor and frees
+        # the ones this rank does not own: ZeRO-2's gradient memory.
         return ShardedDataParallel(model, opt), opt, opt.optim, model
     from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP  # impl == "fsdp", CUDA
     wrapped = FairscaleFSDP(model, flatten_parameters=True, mixed_precision=False)

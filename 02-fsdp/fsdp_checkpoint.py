@@ -22,6 +22,11 @@ A checkpoint is a directory:
 It is written as .tmp_step_000010 and renamed when every rank has finished, so a directory named
 step_* is always complete; the newest one is resumed. Loading maps the saved chunks onto the
 shards the *current* ranks hold, whatever the world size that saved them.
+
+On several nodes, --ckpt-dir must be one filesystem that every node mounts (NFS, Lustre, GPFS, ...):
+every rank writes its own file into the same directory, and rank 0 alone writes .metadata, renames
+the directory and picks the newest step for everyone. On node-local disks each node would hold
+only its own ranks' files, and the other nodes would not find the step_* directory rank 0 chose.
 """
 
 import shutil
@@ -79,7 +84,8 @@ def lr_at(step: int, peak_lr: float, warmup: int) -> float:
 
 def newest_checkpoint(ckpt_dir: Path, rank: int):
     """Rank 0 removes interrupted writes (.tmp_*) and picks the newest complete step_* directory;
-    every rank gets its answer, so all of them load the same one."""
+    every rank gets its answer, so all of them load the same one. Rank 0 lists the directory for
+    every node: on several nodes it must be on a filesystem they all share."""
     choice = [None]
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -93,7 +99,8 @@ def newest_checkpoint(ckpt_dir: Path, rank: int):
 
 def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, world: int, rank: int) -> Path:
     """Every rank writes its own shards (no gather to rank 0), into a temporary directory that
-    rank 0 renames once all ranks are done."""
+    rank 0 renames once all ranks are done: one directory that every node sees (a shared
+    filesystem), or the rename would move rank 0's node's files only."""
     # get_state_dict: keys are the plain model's names ("blocks.0.fc1.weight"); values are
     # DTensors, so DCP records each shard's offset in the global tensor. Optimizer state is keyed
     # by parameter name too (not by index), which is what lets another world size load it.

@@ -5,14 +5,15 @@ the hand-written FSDP equals single-process training, and fairscale's OSS equals
 Runs are launched lazily and shared between the tests of this file (one launch per configuration).
 """
 
+import ast
 import math
 import shutil
 
 import pytest
 import torch
 
-from conftest import (assert_adamw_close, assert_state_dicts_close, assert_state_dicts_equal,
-                      load_export, read_json, run_python, run_torchrun)
+from conftest import (REPO, assert_adamw_close, assert_state_dicts_close,
+                      assert_state_dicts_equal, load_export, read_json, run_python, run_torchrun)
 from dtcourse.models import GPT, ResidualMLP, gpt_parameter_count
 
 LESSON = "02-fsdp"
@@ -160,6 +161,40 @@ def test_activation_checkpointing_and_cpu_offload_change_nothing(gpt):
     # Recomputing a block runs the same kernels on the same inputs, and offloaded shards are
     # stepped by the same AdamW: bit for bit the same weights.
     assert_state_dicts_equal(weights, ref, msg="act. ckpt + cpu offload vs plain")
+
+
+def _calls(script: str, name: str) -> list:
+    """The calls of `name` (as written, e.g. "launch.distributed") in a lesson script."""
+    tree = ast.parse((REPO / LESSON / script).read_text())
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == name]
+
+
+@pytest.mark.parametrize("script", ["fsdp_transformer.py", "fsdp1_api.py",
+                                    "solutions/ex2_root_only.py"])
+def test_offloading_scripts_give_the_group_a_cpu_backend(script):
+    """With --cpu-offload, FSDP2's gradient shards are CPU tensors and clip_grad_norm_ all-reduces
+    their squares on the CPU, which an NCCL-only group refuses on GPUs. Each script that offloads
+    passes the flag to the group's setup, which then starts "cpu:gloo,cuda:nccl" on CUDA and plain
+    gloo on CPU (launch.backend_for, tested in test_dtcourse.py). A CPU run cannot show the GPU
+    failure, so this reads the call itself."""
+    calls = _calls(script, "launch.distributed") + _calls(script, "launch.setup")
+    assert len(calls) == 1, script
+    keywords = {k.arg: ast.unparse(k.value) for k in calls[0].keywords}
+    assert keywords.get("cpu_collectives") == "args.cpu_offload", (script, keywords)
+
+
+@pytest.mark.parametrize("script", ["fsdp_transformer.py", "fsdp1_api.py", "fsdp_lora.py"])
+def test_each_measured_run_starts_its_own_peak_after_freeing_the_previous_model(script):
+    """These scripts train several models in one launch and report each one's peak_bytes on a GPU.
+    train() must begin with report.reset_peak (which collects the previous model's reference
+    cycles, then resets CUDA's peak counter: tested in test_dtcourse.py) before it builds the
+    next model, and nothing may reset the counter elsewhere, while a model is still alive."""
+    tree = ast.parse((REPO / LESSON / script).read_text())
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    first = train.body[1]  # after the docstring
+    assert ast.get_docstring(train) and isinstance(first, ast.Expr), script
+    assert ast.unparse(first.value) == "report.reset_peak(d.device)", ast.unparse(first)
+    assert not _calls(script, "torch.cuda.reset_peak_memory_stats"), script
 
 
 def test_exports_load_strictly_into_the_plain_gpt(gpt):
@@ -459,3 +494,8 @@ def test_fairscale_oss_zero_and_ddp_end_equal(tmp_path):
     for impl in ("zero", "oss"):
         per_rank = [h["optim_bytes"] for h in metrics["runs"][impl]["per_rank"]]
         assert sum(per_rank) == ddp_optim and max(per_rank) < ddp_optim, (impl, per_rank)
+    # ShardedDataParallel's default reduce buckets (2**23 elements per owner rank) hold every
+    # gradient of this small model as views, on every rank: ZeRO-2 in communication (reduce to
+    # the owner), not in gradient memory, which needs reduce_buffer_size=0.
+    ddp_grads = metrics["runs"]["ddp"]["per_rank"][0]["grad_bytes"]
+    assert [h["grad_bytes"] for h in metrics["runs"]["oss"]["per_rank"]] == [ddp_grads] * 2
