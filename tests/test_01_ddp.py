@@ -39,6 +39,7 @@ MNIST = "01-ddp-basics/ddp_mnist.py"
 BENCH = "01-ddp-basics/ddp_benchmark.py"
 LAUNCH = "01-ddp-basics/launch_ddp.sh"
 README = REPO / "01-ddp-basics" / "README.md"
+DEEP_DIVE = REPO / "01-ddp-basics" / "scaling_and_resume.md"  # resume, spawn, the benchmark run
 RUNS = REPO / "runs"
 # AdamW equivalence: see conftest.assert_adamw_close (measured here: every weight within 1e-7;
 # on an AVX2-only EPYC one element of 16,384 off by 1.3e-6, the kind of coordinate it allows).
@@ -61,7 +62,8 @@ BENCHMARK = "python 01-ddp-basics/ddp_benchmark.py --json-out runs/ddp_scaling.j
 
 def readme_run(command: str, *outputs: str):
     """Run a README command verbatim after removing what an earlier run left behind."""
-    assert readme_mentions(README, command), f"not in {README}: {command}"
+    doc = DEEP_DIVE if command in (FIRST_HALF, SECOND_HALF, SPAWN, BENCHMARK) else README
+    assert readme_mentions(doc, command), f"not in {doc}: {command}"
     for name in outputs:
         path = RUNS / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
