@@ -150,7 +150,7 @@ LESSONS = {"fsdp": (FSDP, FSDP_ARGS, "02-fsdp/slurm_fsdp.sbatch"),
 # The cluster-sized submissions each lesson README shows (```sh: they need a real cluster); the
 # test submits the same file with 2 ranks and a few steps.
 DOCUMENTED = {
-    "fsdp": ("02-fsdp/README.md",
+    "fsdp": ("02-fsdp/checkpointing.md",
              "sbatch --nodes=4 02-fsdp/slurm_fsdp.sbatch --steps 2000 --ckpt-every 100"),
     "deepspeed": ("03-deepspeed/README.md",
                   "sbatch 03-deepspeed/slurm_deepspeed.sbatch --steps 2000 --deepspeed_config "
