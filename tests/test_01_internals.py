@@ -1,11 +1,14 @@
-"""Lesson 01, DDP internals: each claim of ddp_internals.py checked against a fresh 2-rank run.
+"""Lesson 01, DDP internals: each claim of the demos of 01-ddp-basics/internals/ checked against a
+fresh 2-rank run.
 
-One torchrun launch (the module fixture) writes --json-out and --export. The tests read them and
-rebuild here, in this process and without the script's own checks, what each model must equal:
-one process on the global batch (find_unused_parameters, static_graph, SyncBatchNorm, the fp32 run
-of the hooks demo); the model DDP computes under Join with uneven inputs, written out step by step;
-the bucket layout, predicted from the parameter sizes; the rounding bound of the bf16 and fp16
-hooks, from the local gradients computed here.
+One torchrun launch of the driver ddp_internals.py, which runs all seven demos (the module
+fixture), writes --json-out and --export. The tests read them and rebuild here, in this process and
+without the demos' own checks, what each model must equal: one process on the global batch
+(find_unused_parameters, static_graph, SyncBatchNorm, the fp32 run of the hooks demo); the model
+DDP computes under Join with uneven inputs, written out step by step; the bucket layout, predicted
+from the parameter sizes; the rounding bound of the bf16 and fp16 hooks, from the local gradients
+computed here. Each demo file also runs on its own, as the page ddp_internals.md shows it, and
+prints what the driver printed for it.
 
 Tolerances. The demos train with plain SGD, lr 0.1, 4 steps: w_4 = w_0 - lr (g_1 + ... + g_4).
 DDP averages two half-batch gradients where one process takes the mean over the whole batch: the
@@ -23,6 +26,7 @@ import itertools
 from types import SimpleNamespace
 
 import pytest
+import quoted_output
 import torch
 import torch.nn.functional as F
 from conftest import (
@@ -35,6 +39,7 @@ from conftest import (
     read_json,
     run_python,
     run_ranks,
+    run_documented,
     run_torchrun,
 )
 
@@ -42,8 +47,9 @@ from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
 
 SCRIPT = "01-ddp-basics/ddp_internals.py"
-README = REPO / "01-ddp-basics" / "README.md"
-M = load_script(SCRIPT)  # the script's model classes, to build the same models here
+PAGE = REPO / "01-ddp-basics" / "ddp_internals.md"  # the deep-dive page that runs each demo file
+M = load_script(SCRIPT)  # the driver, and through it the demos' model classes, to build them here
+TwoHeads, LayerStack, BNNet = M.common.TwoHeads, M.common.LayerStack, M.sync_batchnorm.BNNet
 WORLD, BATCH, SEED, LR, STEPS = 2, 8, 0, 0.1, 4  # the script's defaults
 SGD_TOL = {"rtol": 1e-5, "atol": 1e-6}  # see the module docstring
 MiB = 1024 * 1024
@@ -61,10 +67,11 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """Every demo at world 2 (3 timed steps instead of 20: the timings are not checked here)."""
+    """Every demo at world 2, with the default 20 timed steps (the timings are not checked here;
+    the default keeps every other line of the output the same as each demo file's own run)."""
     out = tmp_path_factory.mktemp("internals")
     result = run_torchrun(SCRIPT, "--json-out", out / "internals.json", "--export", out / "w.pt",
-                          "--timing-steps", "3", "--timeout-s", "60", timeout=180)
+                          "--timeout-s", "60", timeout=180)
     report = read_json(out / "internals.json")
     assert report["world_size"] == WORLD and report["steps"] == STEPS
     assert report["batch_size"] == BATCH and report["lr"] == LR and report["seed"] == SEED
@@ -126,17 +133,17 @@ def test_find_unused_parameters_default_ddp_raises_the_documented_error(run):
     assert "parameters that were not used in producing loss" in j["error"]
     assert "find_unused_parameters=True" in j["error"]
     assert j["unused_names"] == ["head_b.weight", "head_b.bias"] and j["unused_indices"] == [4, 5]
-    # the README quotes and explains that very error
-    text = README.read_text()
+    # the internals page quotes and explains that very error
+    text = PAGE.read_text()
     assert j["error_first_sentence"] in text and "head_b.weight, head_b.bias" in text
 
 
 def test_find_unused_parameters_trains_equal_to_one_process(run):
     trained = run.export("find_unused_parameters")
-    assert_state_dicts_close(trained, one_process(M.TwoHeads).state_dict(), **SGD_TOL,
+    assert_state_dicts_close(trained, one_process(TwoHeads).state_dict(), **SGD_TOL,
                              msg="find_unused_parameters=True vs one process:")
     # the unused head never moves (no gradient, SGD skips it), bitwise
-    init = fresh(M.TwoHeads).state_dict()
+    init = fresh(TwoHeads).state_dict()
     assert_state_dicts_equal({k: v for k, v in trained.items() if k.startswith("head_b.")},
                              {k: v for k, v in init.items() if k.startswith("head_b.")})
     # its price: an all-reduce of one int32 "used" flag per parameter tensor, every step
@@ -147,7 +154,7 @@ def test_find_unused_parameters_trains_equal_to_one_process(run):
 
 
 def test_static_graph_trains_equal_to_one_process_without_the_per_step_flags(run):
-    assert_state_dicts_close(run.export("static_graph"), one_process(M.TwoHeads).state_dict(),
+    assert_state_dicts_close(run.export("static_graph"), one_process(TwoHeads).state_dict(),
                              **SGD_TOL, msg="static_graph=True vs one process:")
     per_step = run.demos["static_graph"]["allreduces_per_step"]
     # step 1 learns which parameters are used (gradients + flags); then only the gradients
@@ -161,7 +168,7 @@ def test_static_graph_trains_equal_to_one_process_without_the_per_step_flags(run
 
 def test_gradient_as_bucket_view_lowers_gradient_memory_by_4_bytes_per_parameter(run):
     j = run.demos["gradient_as_bucket_view"]
-    params = sum(p.numel() for p in M.LayerStack().parameters())
+    params = sum(p.numel() for p in LayerStack().parameters())
     assert j["params"] == params == 753_408
     # without the view: the buckets and, beside them, every .grad (fp32: 4 B per parameter each)
     assert j["without_view"]["bucket_bytes"] == 4 * params
@@ -178,7 +185,7 @@ def predicted_buckets(cap_mb):
     """DDP's buckets for LayerStack from step 2 on, predicted here: the gradients in the order
     backward produces them (the reverse of the parameters), cut as soon as a bucket reaches its
     cap; the first cap is 1 MiB when bucket_cap_mb is left at None (25 MiB), else the cap."""
-    sizes = [p.numel() * 4 for p in reversed(list(M.LayerStack().parameters()))]
+    sizes = [p.numel() * 4 for p in reversed(list(LayerStack().parameters()))]
     caps = itertools.chain([MiB if cap_mb is None else cap_mb * MiB],
                            itertools.repeat((25 if cap_mb is None else cap_mb) * MiB))
     buckets, cap, filled = [], next(caps), 0
@@ -214,7 +221,7 @@ def test_sync_batchnorm_equals_one_process_and_plain_batchnorm_does_not(run):
     if j["implementation"] == "hand-written sync BN":  # a CPU: torch's SyncBatchNorm refuses it
         assert j["sync_batchnorm_error"].startswith(
             "ValueError: SyncBatchNorm expected input tensor to be on GPU")
-    reference = one_process(M.BNNet).state_dict()  # BatchNorm over all 16 rows of each step
+    reference = one_process(BNNet).state_dict()  # BatchNorm over all 16 rows of each step
     assert_state_dicts_close(run.export("sync_batchnorm"), reference, **SGD_TOL,
                              msg="sync BatchNorm vs one process:")
     assert j["step1_output_diff"]["sync"] < 1e-5
@@ -283,7 +290,7 @@ def test_compression_hook_halves_the_bytes_and_stays_within_the_rounding_bound(r
     assert j[hook]["bytes"] == 2 * params and j[hook]["dtypes"] == [dtype]
     assert j[hook]["unit_roundoff"] == u  # bf16 keeps 8 significant bits, fp16 11
     # step 1, same weights and data in both runs: every gradient element within the rounding
-    # bound (derived in the script's rounding_bound; rigorous, no tolerance needed)
+    # bound (derived in internals/comm_hooks.py's rounding_bound; rigorous, no tolerance needed)
     assert j[hook]["step1_grad_excess_over_bound"] <= 0
     # the fp32 run is plain DDP: one process
     fp32 = run.export("comm_hooks_none")
@@ -304,6 +311,36 @@ def test_compression_hook_halves_the_bytes_and_stays_within_the_rounding_bound(r
         diff = (compressed[key] - fp32[key]).abs().max().item()
         assert diff <= b.max().item(), f"{hook} {key}: {diff:.3g} > bound {b.max().item():.3g}"
     assert max_diff(compressed, fp32) > 0  # the hook did round something
+
+
+# --------------------------------------------------------------------------------------------------
+# Each demo file on its own, as the page runs it
+
+
+# demo name (the driver's --demo) -> the page's command for its own file
+DEMO_COMMANDS = {
+    "find_unused_parameters":
+        "torchrun --nproc_per_node=2 01-ddp-basics/internals/unused_parameters.py",
+    "static_graph": "torchrun --nproc_per_node=2 01-ddp-basics/internals/static_graph.py",
+    "gradient_as_bucket_view": "torchrun --nproc_per_node=2 01-ddp-basics/internals/bucket_view.py",
+    "bucket_cap_mb": "torchrun --nproc_per_node=2 01-ddp-basics/internals/bucket_cap.py",
+    "sync_batchnorm": "torchrun --nproc_per_node=2 01-ddp-basics/internals/sync_batchnorm.py",
+    "join": "torchrun --nproc_per_node=2 01-ddp-basics/internals/join.py",
+    "comm_hooks": "torchrun --nproc_per_node=2 01-ddp-basics/internals/comm_hooks.py",
+}
+
+
+@pytest.mark.parametrize("demo", DEMO_COMMANDS)
+def test_each_demo_file_on_its_own_prints_what_the_driver_printed(run, demo):
+    """The page's command for the demo's own file (run here, its quoted output re-checked, instead
+    of by test_readmes): every line it prints is a line the driver printed in the fixture's launch,
+    every number equal (timings aside), and it holds the driver's checks of that demo."""
+    result = run_documented(PAGE, DEMO_COMMANDS[demo])
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines[1].startswith(f"[{demo}]"), lines[:2]
+    mine = [name for name in run.report["checks"] if name.startswith(demo)]
+    assert mine and lines[-1] == f"all {len(mine)} checks hold", lines[-1]
+    assert quoted_output.check("\n".join(lines[:-1]), run.result.stdout, rel=0) == []
 
 
 # --------------------------------------------------------------------------------------------------
