@@ -43,39 +43,27 @@ SCRIPT = "01-ddp-basics/ddp_training.py"
 # --------------------------------------------------------------------------------------------------
 # The model under DDP, its optimizer, and one optimizer step
 
-
-def lr_at(step: int, peak_lr: float, warmup: int) -> float:
-    """Linear warmup to the scaled LR over `warmup` steps, then constant."""
-    return peak_lr * min(1.0, (step + 1) / warmup) if warmup else peak_lr
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build(args, d):
-    """The model wrapped in DDP, AdamW at the scaled LR, its warmup schedule, the fp16 scaler, and
-    a counter of the all-reduces DDP launches."""
+    """The model wrapped in DDP, AdamW at the scaled LR, its warmup schedule, the fp16 scaler."""
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     model = MLP(args.hidden).to(d.device)
-    # DDP broadcasts rank 0's weights at construction, so all replicas start equal. It all-reduces
-    # gradients in flat buckets; with gradient_as_bucket_view each .grad is a view into its
-    # bucket, so gradients are stored once (4 bytes per parameter). Without it (DDP's default) the
-    # buckets sit beside the .grad tensors and DDP copies between them: 4 more bytes per parameter.
+    # DDP broadcasts rank 0's weights at construction, so all replicas start equal; in backward
+    # it averages the gradients across the ranks in flat buckets with its own (C++) all-reduce.
+    # gradient_as_bucket_view: each .grad becomes a view into its bucket (see train_step).
     ddp = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
               gradient_as_bucket_view=True)
-
-    # Count the all-reduces DDP launches (one per gradient bucket) to see no_sync() at work: a
-    # comm hook that averages each bucket as DDP's default does, and counts.
-    allreduces = comm.counting_allreduce(d.world_size)
-    ddp.register_comm_hook(None, allreduces)
-
     # Linear scaling rule (Goyal et al. 2017, derived for SGD): LR grows with the global batch;
     # warmup avoids the early instability that a large LR causes on random weights.
-    peak_lr = args.lr * args.global_batch / args.base_batch
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=peak_lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=peak_lr(args), weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_at(s, 1.0, args.warmup_steps))
     # fp16 gradients can underflow: scale the loss up, unscale before the step (bf16 needs none).
-    scaler = torch.amp.GradScaler("cuda", enabled=args.precision == "fp16")
-    return model, ddp, optimizer, scheduler, scaler, allreduces
+    scaler = torch.amp.GradScaler(d.device.type, enabled=args.precision == "fp16")
+    return model, ddp, optimizer, scheduler, scaler
 
 
 def train_step(args, d, ddp, optimizer, scheduler, scaler, step: int) -> torch.Tensor:
@@ -85,7 +73,7 @@ def train_step(args, d, ddp, optimizer, scheduler, scaler, step: int) -> torch.T
     # This rank's rows: r*B*A .. (r+1)*B*A - 1, cut into grad_accum micro-batches of B.
     rows = rank_rows(d.rank, args.batch_size * args.grad_accum)
     x_local, y_local = x_all[rows].to(d.device), y_all[rows].to(d.device)
-    autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    dtype = AUTOCAST[args.precision]
 
     step_loss = torch.zeros((), device=d.device)
     for micro in range(args.grad_accum):
@@ -94,14 +82,14 @@ def train_step(args, d, ddp, optimizer, scheduler, scaler, step: int) -> torch.T
         last = micro == args.grad_accum - 1
         # no_sync(): no all-reduce on this backward; gradients accumulate locally in .grad
         # and are averaged once, with the last micro-step's all-reduce.
-        sync_ctx = contextlib.nullcontext() if last else ddp.no_sync()
-        with sync_ctx, torch.autocast(d.device.type, dtype=autocast_dtype,
-                                      enabled=autocast_dtype is not None):
-            with nvtx_range("forward"):
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            # Mixed precision: only the forward and the loss run under autocast.
+            with nvtx_range("forward"), torch.autocast(d.device.type, dtype=dtype,
+                                                       enabled=dtype is not None):
                 loss = F.cross_entropy(ddp(x), y)
             # Divide by the micro-steps: the accumulated gradient is then the gradient of the
             # mean loss over all of this rank's samples, not grad_accum times it. DDP launches
-            # each bucket's all-reduce from inside this range (nsys: NCCL kernels beside it).
+            # each bucket's all-reduce from inside backward, as the bucket's gradients are ready.
             with nvtx_range("backward"):
                 scaler.scale(loss / args.grad_accum).backward()
         step_loss += loss.detach().float() / args.grad_accum
@@ -109,9 +97,24 @@ def train_step(args, d, ddp, optimizer, scheduler, scaler, step: int) -> torch.T
     with nvtx_range("optimizer"):
         scaler.step(optimizer)  # unscales first when fp16; a plain optimizer.step() otherwise
         scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        # set_to_none=False zeroes each .grad in place, so it stays a view into its DDP bucket
+        # and the next backward accumulates into the bucket itself. With set_to_none=True
+        # autograd allocates a fresh .grad every step, which DDP copies into the bucket in the
+        # synced backward before pointing .grad back at it: an allocation and a copy per
+        # parameter per step, and 4 more bytes per parameter through no_sync() micro-steps.
+        optimizer.zero_grad(set_to_none=False)
         scheduler.step()
     return step_loss
+
+
+def peak_lr(args) -> float:
+    """The LR after warmup: --lr, given for --base-batch samples, times global batch / base."""
+    return args.lr * args.global_batch / args.base_batch
+
+
+def lr_at(step: int, peak: float, warmup: int) -> float:
+    """Linear warmup to the scaled LR over `warmup` steps, then constant."""
+    return peak * min(1.0, (step + 1) / warmup) if warmup else peak
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,12 +131,15 @@ def latest_checkpoint(ckpt_dir: Path):
     return None
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler, scaler, rank: int,
-                    keep: int, recent_losses: list):
-    if rank == 0:
+def save_checkpoint(args, d, step: int, model, optimizer, scheduler, scaler, recent_losses: list):
+    ckpt_dir = args.ckpt_dir
+    if d.rank == 0:
         state = {
             "step": step,
             "recent_losses": recent_losses,  # so the smoothed loss goes on across a resume
+            # what the LR was scaled for: a resume at another world size rescales it (resume)
+            "world_size": d.world_size,
+            "global_batch": args.global_batch,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
@@ -142,11 +148,29 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, scheduler, scal
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }
         tmp = ckpt_dir / f".step_{step:06d}.pt.tmp"
-        torch.save(state, tmp)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, ckpt_dir / f"step_{step:06d}.pt")  # atomic on POSIX
-        for old in sorted(ckpt_dir.glob("step_*.pt"))[:-keep]:  # only after the new one exists
+        # ... and the rename itself: fsync the directory. A killed process never leaves a
+        # truncated step_N.pt (the rename alone does that); with both fsyncs neither does a node
+        # crash or power loss, on a local filesystem that honours fsync (ext4, xfs). Network
+        # filesystems differ (NFS commits on fsync, but other clients may see the rename later;
+        # some parallel filesystems ignore directory fsync): there, trust the newest file that
+        # loads, as latest_checkpoint does.
+        dir_fd = os.open(ckpt_dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        for old in sorted(ckpt_dir.glob("step_*.pt"))[:-args.keep_ckpts]:  # after the new one
             old.unlink()
-    dist.barrier()  # nobody reads or moves on before the file is complete
+    # Nobody reads or moves on before the file is complete. The other ranks wait here while rank
+    # 0 writes, and this barrier is bounded by --timeout-s like every collective: on NCCL the
+    # watchdog aborts every rank whose barrier outlasts it. --timeout-s must exceed the longest
+    # checkpoint write (a large model to a shared filesystem can take minutes).
+    dist.barrier()
 
 
 def resume(args, d, model, optimizer, scheduler, scaler) -> tuple[int, list]:
@@ -170,7 +194,35 @@ def resume(args, d, model, optimizer, scheduler, scaler) -> tuple[int, list]:
     if ckpt["rng"]["cuda"] is not None and d.device.type == "cuda":
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
     report.print0(f"resumed from step {ckpt['step']} in {args.ckpt_dir}")
+    rescale_lr(args, d, ckpt, optimizer, scheduler)
     return ckpt["step"], ckpt["recent_losses"]
+
+
+def rescale_lr(args, d, ckpt, optimizer, scheduler) -> None:
+    """The restored optimizer and scheduler carry the LR scaled for the checkpoint's global batch.
+    A job resumed at another world size (an elastic --nnodes=MIN:MAX job that lost a node, a
+    requeue on fewer nodes) trains another global batch: give it its own peak LR, keeping the
+    step count (so the warmup goes on where it was) and AdamW's moments."""
+    old_peak, new_peak = scheduler.base_lrs[0], peak_lr(args)
+    new = f"world {d.world_size} (global batch {args.global_batch}, peak lr {new_peak:g})"
+    if "world_size" not in ckpt or "global_batch" not in ckpt:
+        report.print0(f"warning: the checkpoint does not record its world size and global batch "
+                      f"(an older one): cannot check its peak lr {old_peak:g} against this run's "
+                      f"{new}; training on at the checkpoint's")
+        return
+    old = (f"world {ckpt['world_size']} (global batch {ckpt['global_batch']}, peak lr "
+           f"{old_peak:g})")
+    if old_peak == new_peak:
+        if old != new:
+            report.print0(f"resized: checkpoint of {old} -> {new}: the same peak lr")
+        return
+    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = new_peak
+        group["lr"] = new_peak * lr_lambda(scheduler.last_epoch)  # what LambdaLR would set
+    scheduler.base_lrs = [new_peak] * len(optimizer.param_groups)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    report.print0(f"resized: checkpoint of {old} -> {new}: lr rescaled; step count and AdamW "
+                  f"state kept")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,8 +231,8 @@ def resume(args, d, model, optimizer, scheduler, scaler) -> tuple[int, list]:
 
 def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, recent: list,
          stop: dict):
-    """Steps start_step+1 .. --steps. Returns (losses, samples/s or None when no step was timed),
-    or None when the ranks stopped on a SIGTERM.
+    """Steps start_step+1 .. --steps. Returns (losses, samples/s or None when no step was timed,
+    the last step's collectives), or None when the ranks stopped on a SIGTERM.
 
     Each step's loss is that of one batch, and batches differ: printed every 10 steps, it jumps
     up and down around its trend. Beside it goes the mean of the last --log-every steps' losses
@@ -193,14 +245,9 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, rec
             t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
         launch.inject_failure(args, d.rank, step)
         lr = optimizer.param_groups[0]["lr"]  # the LR this step uses; the scheduler then moves it
-        # Count what the last step sends (DDP's bucket all-reduces, as the dispatcher sees them).
-        counter = comm.CollectiveCounter() if step == args.steps - 1 else contextlib.nullcontext()
-        # A range per step: `nsys profile --capture-range=nvtx --nvtx-capture="step N"` records
-        # that step only (05-advanced/c-data-parallel-techniques/README.md, Profiling).
-        with nvtx_range(f"step {step + 1}"), counter:
+        with measure(step, args.steps) as counter:
             step_loss = train_step(args, d, ddp, optimizer, scheduler, scaler, step)
-        if step == args.steps - 1:
-            comms = counter.summary()
+        comms = counter.summary() if counter else comms
 
         # Report the mean loss over the global batch, and agree on a pending SIGTERM.
         # One small all-reduce: [sum of rank losses, number of ranks that received SIGTERM].
@@ -219,8 +266,7 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, rec
         preempted = flags[1].item() > 0  # every rank stops at the same step
         if args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0)
                               or done == args.steps or preempted):
-            save_checkpoint(args.ckpt_dir, done, model, optimizer, scheduler, scaler, d.rank,
-                            args.keep_ckpts, recent)
+            save_checkpoint(args, d, done, model, optimizer, scheduler, scaler, recent)
         if preempted:
             report.print0(f"SIGTERM: checkpointed step {done} to {args.ckpt_dir}; exiting")
             bar.close()
@@ -230,11 +276,27 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, rec
     return losses, samples_per_s, comms
 
 
+@contextlib.contextmanager
+def measure(step: int, steps: int):
+    """A range per step (`nsys profile --capture-range=nvtx --nvtx-capture="step N"` records that
+    step only; 05-advanced/c-data-parallel-techniques/README.md, Profiling), and on the last
+    step a count of what it sends: DDP's bucket all-reduces, as the dispatcher sees them (yields
+    the counter then, None before)."""
+    last = step == steps - 1
+    with nvtx_range(f"step {step + 1}"), \
+            (comm.CollectiveCounter() if last else contextlib.nullcontext()) as counter:
+        yield counter
+
+
 def train(args, d):
-    if args.precision == "fp16" and d.device.type != "cuda":
-        cli.fail("--precision fp16 needs CUDA (GradScaler); use bf16 on CPU")
     args.global_batch = d.world_size * args.batch_size * args.grad_accum
-    model, ddp, optimizer, scheduler, scaler, allreduces = build(args, d)
+    model, ddp, optimizer, scheduler, scaler = build(args, d)
+    allreduces = None
+    if args.count_allreduces:
+        # Replace DDP's built-in all-reduce by a Python comm hook that does the same (average
+        # each bucket with one all-reduce) and counts: no_sync() at work, in numbers.
+        allreduces = comm.counting_allreduce(d.world_size)
+        ddp.register_comm_hook(None, allreduces)
     start_step, recent = resume(args, d, model, optimizer, scheduler, scaler) if args.ckpt_dir \
         else (0, [])
 
@@ -258,8 +320,8 @@ def train(args, d):
         losses, samples_per_s, comms = result
         rate = f"{samples_per_s:.0f} samples/s" if samples_per_s else \
             "samples/s not measured (the first step is not timed)"
-        report.print0(f"done: {args.steps - start_step} steps, {rate}, all-reduce calls "
-                      f"{allreduces.calls}")
+        counted = f", all-reduce calls {allreduces.calls}" if allreduces else ""
+        report.print0(f"done: {args.steps - start_step} steps, {rate}{counted}")
         if "all_reduce" in comms:
             # A ring all-reduce of the gradient bytes G sends 2(N-1)/N x G from every rank.
             s, n = comms["all_reduce"], d.world_size
@@ -280,15 +342,18 @@ def finish(args, d, model, ddp, optimizer, allreduces, losses, samples_per_s, st
            comms):
     """Rank 0 writes --metrics-out and --export; every rank waits until they are complete."""
     # Every rank holds a full replica: fp32 weights, Adam's two moments, and the gradients, which
-    # live in DDP's buckets (zero_grad(set_to_none=True) dropped the .grad views; the buckets
-    # stay allocated). 4 + 8 + 4 = 16 bytes per parameter.
+    # live in DDP's buckets (each .grad a view into them). 4 + 8 + 4 = 16 bytes per parameter.
     held = report.held_bytes(params=model.parameters(), optimizer=optimizer, device=d.device)
     held["grad_bytes"] = bucket_bytes(ddp)
     metrics = report.metrics(d, script=SCRIPT, strategy="ddp", steps=args.steps,
                              global_batch=args.global_batch, losses=losses,
                              samples_per_s=samples_per_s, per_rank=report.gather(held),
                              start_step=start_step, grad_accum=args.grad_accum,
-                             precision=args.precision, allreduce_calls=allreduces.calls,
+                             precision=args.precision,
+                             # DDP's own record of a registered comm hook (None: its built-in
+                             # all-reduce), and the hook's count with --count-allreduces
+                             comm_hook=ddp._get_ddp_logging_data().get("comm_hook"),
+                             allreduce_calls=allreduces.calls if allreduces else None,
                              comms_per_step=comms)
     report.finish(args, metrics, model.state_dict())
 
@@ -304,7 +369,10 @@ def parse_args(argv=None):
     cli.add_output_args(p)
     cli.add_template_args(p)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="autocast dtype; fp16 adds a GradScaler and needs CUDA")
+                   help="autocast dtype of the forward; fp16 adds a GradScaler")
+    p.add_argument("--count-allreduces", action="store_true",
+                   help="count DDP's all-reduce calls with a Python comm hook in place of "
+                        "its built-in all-reduce (the same averages, through Python)")
     cli.add_ckpt_args(p, keep=True)
     p.add_argument("--spawn", type=int, default=0, metavar="N",
                    help="start N local ranks with torch.multiprocessing.spawn instead of torchrun")

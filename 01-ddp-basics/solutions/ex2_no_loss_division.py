@@ -49,14 +49,14 @@ def undivided_train_step(args, d, ddp, optimizer, scheduler, scaler, step: int) 
         step_loss += loss.detach().float() / args.grad_accum
     scaler.step(optimizer)
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=False)  # as the lesson's train_step
     scheduler.step()
     return step_loss
 
 
 def train(args, d, optimizer_name: str, divided: bool, eps_over_accum: bool = False):
     """(losses, first update, final plain state dict) of one run."""
-    model, ddp, optimizer, scheduler, scaler, _ = training.build(args, d)
+    model, ddp, optimizer, scheduler, scaler = training.build(args, d)
     if eps_over_accum:  # AdamW's eps (1e-8) divided by grad_accum
         optimizer.param_groups[0]["eps"] /= args.grad_accum
     if optimizer_name == "sgd":  # the same LR and warmup, plain SGD instead of AdamW

@@ -32,7 +32,7 @@ training = lessons.load(LESSON / "ddp_training.py")
 
 def run(args, d) -> dict:
     args.global_batch = d.world_size * args.batch_size * args.grad_accum
-    _, ddp, optimizer, scheduler, scaler, _ = training.build(args, d)
+    _, ddp, optimizer, scheduler, scaler = training.build(args, d)
     report.print0(f"world {d.world_size} | device {d.device} | rank 0 alone calls dist.barrier() "
                   f"after step {args.barrier_at_step} | --timeout-s {args.timeout_s:g}")
     where, t0 = "training", None
