@@ -31,6 +31,7 @@ from conftest import (
     run_python,
     run_readme_command,
     run_together,
+    run_torchrun,
     run_torchrun_nodes,
 )
 
@@ -98,14 +99,29 @@ def accum_run():
     return load_export(RUNS / "ddp_accum.pt"), read_json(RUNS / "ddp_accum.json")
 
 
-def test_accumulation_equals_the_full_batch_and_skips_the_allreduce(full_run, accum_run):
+def test_accumulation_equals_the_full_batch_and_skips_the_allreduce(tmp_path, full_run,
+                                                                   accum_run):
     """2 ranks x 16 x 2 micro-steps = the same 64-sample global batch as the full run: the same
     model. no_sync() skips every other all-reduce: 80 backward passes, 40 all-reduce calls (one
-    bucket per synced backward)."""
+    bucket per synced backward), as --count-allreduces counts them.
+
+    The template runs DDP's own (C++) all-reduce: DDP's logging data records no comm hook. The
+    counting flag swaps in a Python comm hook that averages as DDP does (sum, divided by the
+    world size: a power of two here, so exact either way) and counts; it is the template as it
+    was before the hook became optional, and both must export the same model, bitwise."""
     weights, m = accum_run
     assert m["world_size"] == 2 and m["grad_accum"] == 2 and m["global_batch"] == 64
     assert_adamw_close(weights, full_run, **ADAMW, msg="accumulation vs full batch:")
-    assert m["allreduce_calls"] == 40, "no_sync() must skip the first micro-step's all-reduce"
+    assert m["comm_hook"] is None and m["allreduce_calls"] is None, "a hook on the default path"
+    counted = tmp_path / "counted"
+    run_torchrun(TRAIN, "--grad-accum", "2", "--batch-size", "16", "--count-allreduces",
+                 "--export", counted / "model.pt", "--metrics-out", counted / "metrics.json",
+                 timeout=240)
+    c = read_json(counted / "metrics.json")
+    assert c["comm_hook"] and "counting_allreduce" in c["comm_hook"], c["comm_hook"]
+    assert c["allreduce_calls"] == 40, "no_sync() must skip the first micro-step's all-reduce"
+    assert_state_dicts_equal(load_export(counted / "model.pt"), weights,
+                             msg="DDP's all-reduce vs the counting hook:")
 
 
 def test_traffic_of_a_step_is_one_ring_allreduce_of_the_gradients(accum_run):
@@ -130,17 +146,26 @@ def test_metrics_follow_the_contract(accum_run):
         # DDP keeps a full replica on every rank: fp32 weights 4P and Adam's two moments 8P (plus
         # a step counter per parameter tensor: 6 tensors x 4 bytes). The gradients live in DDP's
         # flat buckets, 4P as DDP's logger reports them (with gradient_as_bucket_view each .grad
-        # is a view into them; zero_grad(set_to_none=True) drops the views, not the buckets).
-        # 16 bytes per parameter in all.
+        # is a view into them, and zero_grad(set_to_none=False) keeps it so). 16 bytes per
+        # parameter in all.
         assert held["param_bytes"] == 4 * params
         assert held["optim_bytes"] == 8 * params + 6 * 4
         assert held["grad_bytes"] == 4 * params
         assert held["peak_bytes"] is None  # CPU
 
 
-def test_resume_is_bitwise_identical_to_an_uninterrupted_run(full_run):
+@pytest.fixture(scope="module")
+def first_half(tmp_path_factory):
+    """The README's first 20 steps with checkpoints: its stdout, and a copy of its step-20
+    checkpoint (the README's second half then trains on in runs/ddp_ckpt)."""
     first = readme_run(FIRST_HALF, "ddp_ckpt")
-    assert (RUNS / "ddp_ckpt" / "step_000020.pt").exists()
+    saved = tmp_path_factory.mktemp("first_half") / "step_000020.pt"
+    shutil.copy(RUNS / "ddp_ckpt" / "step_000020.pt", saved)
+    return first, saved
+
+
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(full_run, first_half):
+    first, _ = first_half
     # The printed LR is the one the step used: step 1 of a 10-step warmup runs at 1/10 of 0.02.
     assert "step    1/20 | loss 2.2772 | mean of last  1 2.2772 | lr 0.00200" in first.stdout, \
         first.stdout
@@ -152,6 +177,80 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(full_run):
     assert steps and all(line in FULL_STDOUT[0] for line in steps), (steps, FULL_STDOUT[0])
     assert_state_dicts_equal(load_export(RUNS / "ddp_resumed.pt"), full_run,
                              msg="resumed vs uninterrupted:")
+
+
+def test_a_resume_at_another_world_size_rescales_the_lr(tmp_path, first_half):
+    """The step-20 checkpoint of 2 ranks x 32 (global batch 64, peak LR 0.02 = 0.01 x 64/32)
+    resumed by one process x 32: another global batch, 32, whose peak LR is 0.01. The restored
+    optimizer and scheduler would carry 0.02 on (the banner printing 0.01); the template gives
+    them the new peak LR, keeps the step count and Adam's moments, and says so in one line. A
+    checkpoint that does not record its world size (an older one) is trained on at its own LR,
+    with a line saying that nothing could be checked."""
+    _, saved = first_half
+    state = torch.load(saved, map_location="cpu", weights_only=False)
+    assert (state["world_size"], state["global_batch"]) == (2, 64)
+    assert state["scheduler"]["base_lrs"] == [0.02]
+    ckpt = tmp_path / "resized"
+    ckpt.mkdir()
+    shutil.copy(saved, ckpt)
+    result = run_python(TRAIN, "--steps", "22", "--log-every", "1", "--ckpt-dir", str(ckpt))
+    assert ("resized: checkpoint of world 2 (global batch 64, peak lr 0.02) -> world 1 (global "
+            "batch 32, peak lr 0.01): lr rescaled; step count and AdamW state kept"
+            in result.stdout), result.stdout
+    assert "| lr 0.01 (base 0.01 x 32/32)" in result.stdout
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and all(line.endswith("| lr 0.01000") for line in steps), steps
+    after = torch.load(ckpt / "step_000022.pt", map_location="cpu", weights_only=False)
+    assert (after["world_size"], after["global_batch"]) == (1, 32)
+    assert after["scheduler"]["base_lrs"] == [0.01]
+    assert [g["lr"] for g in after["optimizer"]["param_groups"]] == [0.01]
+    # Adam went on from its step-20 state: 22 steps counted, not 2 (a fresh optimizer)
+    assert all(float(s["step"]) == 22 for s in after["optimizer"]["state"].values())
+
+    del state["world_size"], state["global_batch"]
+    older = tmp_path / "older"
+    older.mkdir()
+    torch.save(state, older / "step_000020.pt")
+    result = run_python(TRAIN, "--steps", "21", "--ckpt-dir", str(older))
+    assert ("warning: the checkpoint does not record its world size and global batch (an older "
+            "one): cannot check its peak lr 0.02 against this run's world 1 (global batch 32, "
+            "peak lr 0.01); training on at the checkpoint's" in result.stdout), result.stdout
+    assert "step   21/21 |" in result.stdout and result.stdout.rstrip().count("| lr 0.02000") == 1
+
+
+def test_fp16_on_cpu_trains_and_world2_equals_one_process(tmp_path, full_run):
+    """--precision fp16 on a CPU: autocast in float16 and a GradScaler on the CPU. Two ranks x 32
+    against one process x 64, both fp16, the same global batch.
+
+    Tolerance. fp16 keeps 11 significant bits (unit roundoff u = 2^-11 = 4.9e-4). Both runs round
+    every matmul of forward and backward to fp16, but at different places: a rank rounds its half
+    batch's gradient sums, one process the whole batch's. Each step's gradients then differ by a
+    few u, relative; AdamW turns them into updates of bounded size, so after 40 steps the weights
+    differ, relative to how far training moved them, by a few u too. Measured, per tensor
+    (|w2 - w1| / |w_end - w_start|): 7.5e-4 to 3.0e-3, with this CPU's kernels and with
+    ATEN_CPU_CAPABILITY=default alike. Bound: 20 u = 9.8e-3, 3x the largest; a rank training on
+    the wrong rows is 50x past it (a run on half the data: 0.5 to 1.2)."""
+    w1_dir, w2_dir = tmp_path / "w1", tmp_path / "w2"
+    run_torchrun(TRAIN, "--precision", "fp16", "--export", w2_dir / "model.pt", "--metrics-out",
+                 w2_dir / "metrics.json", timeout=240)
+    run_python(TRAIN, "--precision", "fp16", "--batch-size", "64", "--export",
+               str(w1_dir / "model.pt"), "--metrics-out", str(w1_dir / "metrics.json"))
+    m2, m1 = read_json(w2_dir / "metrics.json"), read_json(w1_dir / "metrics.json")
+    assert m2["precision"] == m1["precision"] == "fp16" and m2["global_batch"] == 64
+    for m in (m1, m2):  # it trains: the loss of the last 5 steps under half that of the first 5
+        assert sum(m["losses"][-5:]) < 0.5 * sum(m["losses"][:5]), m["losses"]
+    w2, w1 = load_export(w2_dir / "model.pt"), load_export(w1_dir / "model.pt")
+    from dtcourse.models import MLP
+    torch.manual_seed(0)  # the template's start: MLP(--hidden 128) after torch.manual_seed(0)
+    w0 = MLP(128).state_dict()
+    u = 2.0 ** -11
+    for key in w0:
+        moved = (full_run[key] - w0[key]).norm()
+        rel = ((w2[key] - w1[key]).norm() / moved).item()
+        assert rel <= 20 * u, f"{key}: world 2 vs 1 in fp16 differ by {rel:.2e} of the update"
+        # fp16 really ran: against the fp32 run the weights differ by fp16 rounding (1.4e-3 to
+        # 3.4e-3 of the update measured), not by fp32's (1e-7)
+        assert ((w2[key] - full_run[key]).norm() / moved).item() > u / 10, key
 
 
 def test_a_finished_run_launched_again_exports_the_same_model(tmp_path):
