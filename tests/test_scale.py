@@ -3,6 +3,8 @@
 - SLURM: the sbatch files and `srun python ...` on a real (one-node) SLURM cluster started by the
   `slurm` fixture compute exactly what torchrun computes; a job told to stop (SIGUSR1, as SLURM
   sends before the time limit) checkpoints, is requeued, and ends with the uninterrupted model.
+  The DDP job file's srun step holds the CPUs the file asks for (--cpus-per-task, which srun
+  inherits only through SRUN_CPUS_PER_TASK since Slurm 22.05), and without that export only one.
 - Elastic: `torchrun --max-restarts 1` with an injected failure ends with the uninterrupted model.
 - Lessons 02 and 03: their sbatch files and their elastic restarts end with the same weights as an
   uninterrupted torchrun run.
@@ -65,19 +67,70 @@ def sbatch(slurm, script, *args, env: dict, output: Path, wait: bool = True) -> 
            f"--export={exports}", script, *args]
     job = slurm.run(cmd).stdout.strip().split(";")[0]
     if wait:
-        slurm.wait_for(lambda: slurm.job_state(job) in FINISHED, timeout=240,
-                       what=f"job {job} to finish")
-        state = slurm.job_state(job)
-        log = output.read_text()[-4000:] if output.exists() else "(no output file)"
-        assert state == "COMPLETED", f"job {job} ended {state}:\n{log}"
+        wait_completed(slurm, job, output)
     return job
 
 
+def wait_completed(slurm, job: str, output: Path) -> None:
+    slurm.wait_for(lambda: slurm.job_state(job) in FINISHED, timeout=240,
+                   what=f"job {job} to finish")
+    state = slurm.job_state(job)
+    log = output.read_text()[-4000:] if output.exists() else "(no output file)"
+    assert state == "COMPLETED", f"job {job} ended {state}:\n{log}"
+
+
+def step_cpus(slurm, job: str):
+    """The CPUs that a job's first srun step (its torchrun launchers) holds, read while it runs;
+    a sentence instead if the job ended before the step was seen."""
+    def seen():
+        out = slurm.query("scontrol", "show", "step", f"{job}.0")
+        match = re.search(r"\bCPUs=(\d+)", out)
+        if match:
+            return int(match.group(1))
+        if slurm.job_state(job) in FINISHED:
+            return "the job ended before its srun step was seen"
+        return None
+    return slurm.wait_for(seen, timeout=120, what=f"job {job}'s srun step")
+
+
+# The job files ask --cpus-per-task=8 for each torchrun launcher; the test node has 8 CPUs.
+# Since Slurm 22.05 srun does not inherit it from sbatch: a step asks for one CPU per task unless
+# srun is given -c or SRUN_CPUS_PER_TASK. The test cluster binds nothing (TaskPlugin=task/none)
+# and by default a step may use every CPU of the job, so the request shows only where a step gets
+# just what it asked for: with --exact, which SLURM_EXACT=1 sets for every srun of the job.
+CPUS_ASKED = 8
+EXACT = {"SLURM_EXACT": 1}
+
+
 def test_sbatch_ddp_equals_torchrun(slurm, tmp_path, ddp_reference):
-    out = tmp_path / "sbatch.pt"
-    sbatch(slurm, SBATCH_DDP, *ARGS, "--export", out, output=tmp_path / "job.out",
-           env={"NPROC_PER_NODE": 2, "CKPT_DIR": tmp_path / "ckpt", "RDZV_PORT": free_port()})
+    """The job file as shipped: the same model as torchrun, and its step holds the 8 CPUs the
+    file asks for."""
+    out, log = tmp_path / "sbatch.pt", tmp_path / "job.out"
+    job = sbatch(slurm, SBATCH_DDP, *ARGS, "--export", out, output=log, wait=False,
+                 env={"NPROC_PER_NODE": 2, "CKPT_DIR": tmp_path / "ckpt",
+                      "RDZV_PORT": free_port(), **EXACT})
+    cpus = step_cpus(slurm, job)
+    wait_completed(slurm, job, log)
+    assert cpus == CPUS_ASKED, f"the srun step held {cpus} CPU(s), the job file asks {CPUS_ASKED}"
     assert_state_dicts_equal(load_export(out), ddp_reference, msg="sbatch vs torchrun:")
+
+
+def test_without_srun_cpus_per_task_the_step_gets_one_cpu(slurm, tmp_path):
+    """The same job file without its SRUN_CPUS_PER_TASK export: the step holds 1 CPU for its one
+    torchrun task (Slurm 22.05 and later), not the 8 the file asks for. It shows the export is
+    what makes the difference (and fails on a Slurm that still passes the count on)."""
+    text = (REPO / SBATCH_DDP).read_text()
+    export = "    export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK\n"
+    assert text.count(export) == 1
+    job_file = tmp_path / "slurm_ddp_without_export.sbatch"
+    job_file.write_text(text.replace(export, "    :\n"))
+    log = tmp_path / "job.out"
+    job = sbatch(slurm, job_file, "--steps", "20", output=log, wait=False,
+                 env={"NPROC_PER_NODE": 2, "CKPT_DIR": tmp_path / "ckpt",
+                      "RDZV_PORT": free_port(), **EXACT})
+    cpus = step_cpus(slurm, job)
+    wait_completed(slurm, job, log)
+    assert cpus == 1, f"the srun step held {cpus} CPU(s) without the export"
 
 
 def test_preempted_job_checkpoints_is_requeued_and_ends_equal(slurm, tmp_path, ddp_reference):
