@@ -20,10 +20,10 @@ each now a DTensor holding this rank's rows. Both gather each unit with an all-g
 forward, another before its backward (unless kept from forward), and reduce-scatter its
 gradients. They are not gathered one at a time: besides the root, which stays gathered, backward
 holds two units, the one computing its gradients and the next one, prefetched (and FSDP2's forward
-briefly holds a unit's all-gather buffer beside the next one's; README section 6 measures both).
+briefly holds a unit's all-gather buffer beside the next one's; 02-fsdp/fsdp1_api.md measures both).
 
 The model and data are those of fsdp_transformer.py (dtcourse.models GPT and init_gpt,
-dtcourse.data token_batch), so the runs compare with it. The output is in 02-fsdp/README.md.
+dtcourse.data token_batch), so the runs compare with it. The output is in 02-fsdp/fsdp1_api.md.
 """
 
 import contextlib

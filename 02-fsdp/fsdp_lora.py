@@ -21,7 +21,7 @@ frozen (W) and trainable (A, B) parameters in one unit. FSDP2 shards each parame
 reduce-scatters only the gradients that exist: A's and B's. Nothing else is needed.
 
 The base here is the GPT at its seeded initial weights (dtcourse.models.init_gpt), trained on
-dtcourse.data.token_batch, as in fsdp_transformer.py. The output is in 02-fsdp/README.md.
+dtcourse.data.token_batch, as in fsdp_transformer.py. The output is in 02-fsdp/fsdp_lora.md.
 """
 
 import contextlib
