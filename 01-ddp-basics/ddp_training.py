@@ -137,7 +137,7 @@ def save_checkpoint(args, d, step: int, model, optimizer, scheduler, scaler, rec
         state = {
             "step": step,
             "recent_losses": recent_losses,  # so the smoothed loss goes on across a resume
-            # what the LR was scaled for: a resume at another world size rescales it (resume)
+            # what the LR was scaled for: a resume at another world size rescales it (rescale_lr)
             "world_size": d.world_size,
             "global_batch": args.global_batch,
             "model": model.state_dict(),
@@ -155,10 +155,10 @@ def save_checkpoint(args, d, step: int, model, optimizer, scheduler, scaler, rec
         os.replace(tmp, ckpt_dir / f"step_{step:06d}.pt")  # atomic on POSIX
         # ... and the rename itself: fsync the directory. A killed process never leaves a
         # truncated step_N.pt (the rename alone does that); with both fsyncs neither does a node
-        # crash or power loss, on a local filesystem that honours fsync (ext4, xfs). Network
-        # filesystems differ (NFS commits on fsync, but other clients may see the rename later;
-        # some parallel filesystems ignore directory fsync): there, trust the newest file that
-        # loads, as latest_checkpoint does.
+        # crash or power loss, on a local filesystem that honours fsync (ext4, xfs) and a disk
+        # that does not lie about its cache. Network and parallel filesystems give their own
+        # guarantees (an NFS client may see another node's rename late, through its attribute
+        # cache); whatever they do, resume takes the newest file that loads (latest_checkpoint).
         dir_fd = os.open(ckpt_dir, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
