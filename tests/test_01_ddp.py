@@ -50,7 +50,7 @@ ADAMW = {"lr": PEAK_LR, "steps": 40}
 # The lesson's README commands, run verbatim here (and so not again by test_readmes.py).
 FULL = "torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py --export runs/ddp_full.pt"
 ACCUM = ("torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py --grad-accum 2 --batch-size 16 "
-         "--export runs/ddp_accum.pt --metrics-out runs/ddp_accum.json")
+         "--count-allreduces --export runs/ddp_accum.pt --metrics-out runs/ddp_accum.json")
 FIRST_HALF = ("torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py --steps 20 "
               "--ckpt-dir runs/ddp_ckpt")
 SECOND_HALF = ("torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py --ckpt-dir runs/ddp_ckpt "
@@ -103,24 +103,24 @@ def test_accumulation_equals_the_full_batch_and_skips_the_allreduce(tmp_path, fu
                                                                    accum_run):
     """2 ranks x 16 x 2 micro-steps = the same 64-sample global batch as the full run: the same
     model. no_sync() skips every other all-reduce: 80 backward passes, 40 all-reduce calls (one
-    bucket per synced backward), as --count-allreduces counts them.
+    bucket per synced backward), as the README's --count-allreduces counts them.
 
-    The template runs DDP's own (C++) all-reduce: DDP's logging data records no comm hook. The
-    counting flag swaps in a Python comm hook that averages as DDP does (sum, divided by the
-    world size: a power of two here, so exact either way) and counts; it is the template as it
-    was before the hook became optional, and both must export the same model, bitwise."""
+    Without the flag the template runs DDP's own (C++) all-reduce: DDP's logging data records no
+    comm hook. The counting flag swaps in a Python comm hook that averages as DDP does (sum,
+    divided by the world size: a power of two here, so exact either way) and counts; both must
+    export the same model, bitwise."""
     weights, m = accum_run
     assert m["world_size"] == 2 and m["grad_accum"] == 2 and m["global_batch"] == 64
     assert_adamw_close(weights, full_run, **ADAMW, msg="accumulation vs full batch:")
-    assert m["comm_hook"] is None and m["allreduce_calls"] is None, "a hook on the default path"
-    counted = tmp_path / "counted"
-    run_torchrun(TRAIN, "--grad-accum", "2", "--batch-size", "16", "--count-allreduces",
-                 "--export", counted / "model.pt", "--metrics-out", counted / "metrics.json",
+    assert m["comm_hook"] and "counting_allreduce" in m["comm_hook"], m["comm_hook"]
+    assert m["allreduce_calls"] == 40, "no_sync() must skip the first micro-step's all-reduce"
+    plain = tmp_path / "plain"
+    run_torchrun(TRAIN, "--grad-accum", "2", "--batch-size", "16",
+                 "--export", plain / "model.pt", "--metrics-out", plain / "metrics.json",
                  timeout=240)
-    c = read_json(counted / "metrics.json")
-    assert c["comm_hook"] and "counting_allreduce" in c["comm_hook"], c["comm_hook"]
-    assert c["allreduce_calls"] == 40, "no_sync() must skip the first micro-step's all-reduce"
-    assert_state_dicts_equal(load_export(counted / "model.pt"), weights,
+    c = read_json(plain / "metrics.json")
+    assert c["comm_hook"] is None and c["allreduce_calls"] is None, "a hook on the default path"
+    assert_state_dicts_equal(load_export(plain / "model.pt"), weights,
                              msg="DDP's all-reduce vs the counting hook:")
 
 
