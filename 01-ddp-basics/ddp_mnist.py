@@ -323,11 +323,14 @@ def init_distributed(device_arg: str, timeout_s: float) -> Dist:
     timeout = timedelta(seconds=timeout_s)
     if me.master_addr is None:  # one process: a group of one on an in-memory store
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+                                timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
     else:  # rank 0 hosts a TCP store at MASTER_ADDR:MASTER_PORT; the others connect to it
         os.environ.update(MASTER_ADDR=me.master_addr, MASTER_PORT=str(me.master_port))
         dist.init_process_group(backend, init_method="env://", rank=me.rank,
-                                world_size=me.world_size, timeout=timeout)
+                                world_size=me.world_size, timeout=timeout,
+                                # bind the group to this rank's GPU (NCCL); nothing on CPU
+                                device_id=device if device.type == "cuda" else None)
     return Dist(me.rank, me.world_size, me.local_rank, device)
 
 

@@ -251,6 +251,16 @@ def backend_for(device: torch.device, cpu_collectives: bool = False) -> str:
     return "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
 
 
+def bound_device(device: torch.device) -> torch.device | None:
+    """init_process_group's `device_id`: this rank's GPU on CUDA, None (nothing bound) on CPU.
+
+    Bound to its GPU, the group starts NCCL at once (an error in NCCL's set-up shows at start,
+    not at the first collective), creates sub-groups by splitting its communicator, and runs
+    barrier() on that GPU instead of guessing one ("using the device under current context").
+    With "cpu:gloo,cuda:nccl" the binding is NCCL's; CPU tensors still go to gloo."""
+    return device if device.type == "cuda" else None
+
+
 def setup(device: str = "auto", timeout_s: float = 120.0, cpu_collectives: bool = False) -> Dist:
     """Start the process group: NCCL on CUDA, gloo on CPU, with `timeout_s` for every collective;
     on CUDA with `cpu_collectives` (CPU offload), both: gloo for CPU tensors (see backend_for).
@@ -273,7 +283,7 @@ def setup(device: str = "auto", timeout_s: float = 120.0, cpu_collectives: bool 
     timeout = timedelta(seconds=timeout_s)
     if launch.master_addr is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+                                timeout=timeout, device_id=bound_device(dev))
     else:
         os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
                           LOCAL_RANK=str(launch.local_rank), MASTER_ADDR=launch.master_addr,
@@ -281,7 +291,8 @@ def setup(device: str = "auto", timeout_s: float = 120.0, cpu_collectives: bool 
         if launch.local_world_size is not None:
             os.environ["LOCAL_WORLD_SIZE"] = str(launch.local_world_size)
         dist.init_process_group(backend, init_method="env://", rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout)
+                                world_size=launch.world_size, timeout=timeout,
+                                device_id=bound_device(dev))
     return Dist(launch.rank, launch.world_size, launch.local_rank, launch.local_world_size, dev,
                 backend, launch.launcher)
 

@@ -273,6 +273,39 @@ def test_backend_for_adds_gloo_for_cpu_tensors_when_a_cuda_run_offloads():
     assert BackendConfig(mixed).get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
 
 
+@pytest.mark.parametrize("launched", [Launch("python", 0, 1, 0, 1, None, None),
+                                      Launch("torchrun", 1, 2, 1, 2, "127.0.0.1", 29611)],
+                         ids=["python", "torchrun"])
+def test_setup_binds_the_group_to_the_rank_gpu_on_cuda_and_to_nothing_on_cpu(monkeypatch,
+                                                                             launched):
+    """init_process_group(device_id=...) binds a group to this rank's GPU: NCCL starts at once,
+    sub-groups split its communicator, and barrier() runs on that GPU instead of guessing one.
+    setup() passes the chosen GPU on CUDA, with NCCL alone or with "cpu:gloo,cuda:nccl"
+    (CPU offload), and None on CPU, on the in-memory store (python) and env:// (torchrun) alike.
+    The group itself is not started here (no GPU): init_process_group records what it is given."""
+    import inspect
+
+    import torch.distributed as dist
+
+    from dtcourse import launch
+    assert "device_id" in inspect.signature(dist.init_process_group).parameters
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(
+        (backend, kw.get("device_id", "not passed"))))
+    monkeypatch.setattr(launch, "launched", lambda: launched)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # setup pins 1 on CPU
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for name, value in TORCHRUN.items():  # setup writes the launcher's variables back
+        monkeypatch.setenv(name, value)
+    gpu = torch.device("cuda", 1)
+    for device, offload in ((torch.device("cpu"), False), (gpu, False), (gpu, True)):
+        monkeypatch.setattr(launch, "choose_device", lambda arg, _, device=device: device)
+        d = launch.setup(device.type, 10, cpu_collectives=offload)
+        assert d.device == device
+    assert calls == [("gloo", None), ("nccl", gpu), ("cpu:gloo,cuda:nccl", gpu)]
+    assert launch.bound_device(torch.device("cpu")) is None and launch.bound_device(gpu) == gpu
+
+
 def test_reset_peak_frees_the_previous_fsdp2_model_before_the_next_measurement():
     """A script that trains several strategies one after the other resets CUDA's peak counter
     before each; if the previous model, its gradients and its AdamW state are still alive then,
