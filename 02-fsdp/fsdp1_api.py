@@ -297,11 +297,17 @@ def train(args, api: str, strategy: str, wrap: str, d, several: bool):
     report.print0(describe(args, api, strategy, wrap, mesh, model))
     global_bs = d.world_size * args.batch_size  # every rank is data-parallel
     rows = rank_rows(d.rank, args.batch_size)
-    losses, norms, t_start = [], [], None
+    losses, norms = [], []
+    # Timed: steps 2 to S-1 of S. Step 1 pays for lazy initialisation; step S is measured by the
+    # probes below, which run Python after every operation, so it is not timed.
+    timed, t_start, elapsed = list(range(2, args.steps)), None, None
     for step in range(args.steps):
-        if step == 1:  # step 0 pays for lazy initialisation: time the rest
+        if timed and step == 1:  # start the clock before step 2
             synchronize(d.device)
             t_start = time.perf_counter()
+        if timed and step == args.steps - 1:  # ... and stop it before step S, the measured one
+            synchronize(d.device)
+            elapsed = time.perf_counter() - t_start
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         x, y = x_all[rows].to(d.device), y_all[rows].to(d.device)
         # Measure the last step, a complete steady-state one (both probes run Python after every
@@ -325,8 +331,6 @@ def train(args, api: str, strategy: str, wrap: str, d, several: bool):
         if not several and (done % args.log_every == 0 or done in (1, args.steps)):
             report.print0(f"step {done:4d}/{args.steps} | loss {losses[-1]:.4f} | grad norm "
                           f"{norms[-1]:.3f}")
-    synchronize(d.device)
-    elapsed = time.perf_counter() - t_start if t_start else float("nan")
     # What one forward all-gathers, unit by unit: the root's first, then each unit's
     forward = [r["tensor_bytes"] for r in comm.records
                if r["kind"] == "all_gather" and r["phase"] == "forward"]
@@ -342,8 +346,9 @@ def train(args, api: str, strategy: str, wrap: str, d, several: bool):
     comms = comm.summary()
     metrics = report.metrics(
         d, script=SCRIPT, strategy=strategy, steps=args.steps, global_batch=global_bs,
-        losses=losses, samples_per_s=(args.steps - 1) * global_bs / elapsed, per_rank=per_rank,
-        tokens_per_s=(args.steps - 1) * global_bs * args.seq_len / elapsed, api=api, wrap=wrap,
+        losses=losses, samples_per_s=len(timed) * global_bs / elapsed if timed else None,
+        tokens_per_s=len(timed) * global_bs * args.seq_len / elapsed if timed else None,
+        timed_steps=timed, counted_step=args.steps, per_rank=per_rank, api=api, wrap=wrap,
         units=unit_names(model, api), grad_norms=norms, comms_per_step=comms, params=n_params,
         mesh=list(mesh.shape), mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload,
         min_params=args.min_params if wrap == "size" else None)

@@ -163,11 +163,17 @@ def train(args, method: str, d):
         report.print0(f"full: every parameter trainable, {n_train:,} (T = P)")
     global_bs = d.world_size * args.batch_size
     rows = rank_rows(d.rank, args.batch_size)
-    losses, t_start = [], None
+    losses = []
+    # Timed: steps 2 to S-1 of S. Step 1 pays for lazy initialisation; step S is counted
+    # (CollectiveCounter runs Python after every operation), so it is not timed.
+    timed, t_start, elapsed = list(range(2, args.steps)), None, None
     for step in range(args.steps):
-        if step == 1:
+        if timed and step == 1:  # start the clock before step 2
             synchronize(d.device)
             t_start = time.perf_counter()
+        if timed and step == args.steps - 1:  # ... and stop it before step S, the counted one
+            synchronize(d.device)
+            elapsed = time.perf_counter() - t_start
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         x, y = x_all[rows].to(d.device), y_all[rows].to(d.device)
         comm = CollectiveCounter() if step == args.steps - 1 else contextlib.nullcontext()
@@ -183,8 +189,6 @@ def train(args, method: str, d):
         done = step + 1
         if done % args.log_every == 0 or done in (1, args.steps):
             report.print0(f"step {done:4d}/{args.steps} | loss {losses[-1]:.4f}")
-    synchronize(d.device)
-    elapsed = time.perf_counter() - t_start if t_start else float("nan")
     per_rank = report.gather(report.held_bytes(params=model.parameters(), optimizer=optimizer,
                                                device=d.device))
     full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
@@ -192,8 +196,9 @@ def train(args, method: str, d):
     comms = comm.summary()
     metrics = report.metrics(
         d, script=SCRIPT, strategy=method, steps=args.steps, global_batch=global_bs,
-        losses=losses, samples_per_s=(args.steps - 1) * global_bs / elapsed, per_rank=per_rank,
-        tokens_per_s=(args.steps - 1) * global_bs * args.seq_len / elapsed, method=method,
+        losses=losses, samples_per_s=len(timed) * global_bs / elapsed if timed else None,
+        tokens_per_s=len(timed) * global_bs * args.seq_len / elapsed if timed else None,
+        timed_steps=timed, counted_step=args.steps, per_rank=per_rank, method=method,
         params=n_total, trainable=n_train, adapted=adapted, rank=args.rank, alpha=args.alpha,
         trainable_tensors=len(optimizer.param_groups[0]["params"]), comms_per_step=comms)
     if d.is_main and method == "lora":

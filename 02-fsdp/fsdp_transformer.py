@@ -187,12 +187,18 @@ def train(args, strategy: str, d):
     global_bs = d.world_size * args.batch_size * args.grad_accum  # every rank is data-parallel
     print_header(args, strategy, d, mesh, sum(p.numel() for p in model.parameters()), global_bs)
     rows = rank_rows(d.rank, args.batch_size * args.grad_accum)
-    losses, grad_norms, t_start, accum_grads = [], [], None, []
+    losses, grad_norms, accum_grads = [], [], []
+    # Timed: steps 2 to S-1 of S. Step 1 pays for lazy initialisation and warm-up; step S is
+    # counted (CollectiveCounter runs Python after every operation), so it is not timed.
+    timed, t_start, elapsed = list(range(2, args.steps)), None, None
     bar = report.progress(args.steps, strategy)
     for step in range(args.steps):
-        if step == 1:  # step 0 pays for lazy initialisation and warm-up: time the rest
+        if timed and step == 1:  # start the clock before step 2
             synchronize(d.device)
             t_start = time.perf_counter()
+        if timed and step == args.steps - 1:  # ... and stop it before step S, the counted one
+            synchronize(d.device)
+            elapsed = time.perf_counter() - t_start
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         # Count the collectives of the last step (a complete, steady-state step).
         comm = CollectiveCounter() if step == args.steps - 1 else contextlib.nullcontext()
@@ -213,12 +219,9 @@ def train(args, strategy: str, d):
             bar.write(f"step {done:4d}/{args.steps} | loss {losses[-1]:.4f} | grad norm "
                       f"{grad_norms[-1]:.3f}")
     bar.close()
-    synchronize(d.device)
-    timed = args.steps - 1
-    elapsed = time.perf_counter() - t_start if t_start else float("nan")
-    tokens_per_s = timed * global_bs * args.seq_len / elapsed if timed else float("nan")
+    tokens_per_s = len(timed) * global_bs * args.seq_len / elapsed if timed else None
     return report_run(args, strategy, d, model, mesh, optimizer, losses, grad_norms,
-                      comm.summary(), tokens_per_s, max(accum_grads, default=None))
+                      comm.summary(), tokens_per_s, timed, max(accum_grads, default=None))
 
 
 def accumulating_grad_bytes(model) -> int:
@@ -274,7 +277,7 @@ def print_header(args, strategy: str, d, mesh, n_params: int, global_bs: int) ->
 
 
 def report_run(args, strategy: str, d, model, mesh, optimizer, losses, grad_norms, comms,
-               tokens_per_s, accum_grad_bytes):
+               tokens_per_s, timed, accum_grad_bytes):
     """Print rank 0's view of the run and return (metrics, full state dict on rank 0)."""
     n_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global shape
     # Model state each rank holds right after the last step (grads not yet zeroed). Adam's
@@ -295,16 +298,23 @@ def report_run(args, strategy: str, d, model, mesh, optimizer, losses, grad_norm
                       f"{s['tensor_bytes'] / 1e6:.2f} MB {'/'.join(s['dtypes'])} (sent "
                       f"{s['sent_bytes'] / 1e6:.2f} MB)" for kind, s in comms.items())
                       or "none (a group of one rank skips them)"))
-    report.print0(f"done: {args.steps - 1} timed steps, {tokens_per_s:,.0f} tokens/s"
-                  f"{'' if mfu is None else f', MFU {mfu:.1%}'} | rank 0 holds params "
+    if timed:
+        span = f"step {timed[0]}" if len(timed) == 1 else f"steps {timed[0]}-{timed[-1]}"
+        speed = f"{span} timed, {tokens_per_s:,.0f} tokens/s" + \
+            ("" if mfu is None else f", MFU {mfu:.1%}")
+    else:
+        speed = "no step timed (step 1 warms up and the last is counted: time with --steps 3 or more)"
+    report.print0(f"done: {speed} | rank 0 holds params "
                   f"{held['param_bytes']:,} B, grads {held['grad_bytes']:,} B, optimizer "
                   f"{held['optim_bytes']:,} B (16P/{group} = {16 * n_params // group:,} B + "
                   f"padding + Adam step counters)")
     global_bs = d.world_size * args.batch_size * args.grad_accum
     metrics = report.metrics(
         d, script=SCRIPT, strategy=strategy, steps=args.steps, global_batch=global_bs,
-        losses=losses, samples_per_s=tokens_per_s / args.seq_len, per_rank=per_rank,
-        tokens_per_s=tokens_per_s, mfu=mfu, grad_norms=grad_norms, comms_per_step=comms,
+        losses=losses, per_rank=per_rank,
+        samples_per_s=None if tokens_per_s is None else tokens_per_s / args.seq_len,
+        tokens_per_s=tokens_per_s, mfu=mfu, timed_steps=timed, counted_step=args.steps,
+        grad_norms=grad_norms, comms_per_step=comms,
         fsdp1_name=STRATEGIES[strategy][0], mesh=None if mesh is None else list(mesh.shape),
         grad_accum=args.grad_accum, seq_len=args.seq_len, params=n_params,
         param_tensors=len(list(model.parameters())), mixed_precision=args.mixed_precision,
@@ -316,7 +326,7 @@ def model_flops_utilization(args, n_params: int, tokens_per_s: float, d):
     """MFU = achieved FLOP/s / peak. FLOPs per token = 6N + 12*L*H*Q*T (PaLM, Chowdhery et al.
     2022, appendix B), N = parameters that multiply (the embedding look-ups do not), H*Q = dim,
     T = seq_len."""
-    if d.device.type != "cuda":
+    if d.device.type != "cuda" or tokens_per_s is None:
         return None
     name = torch.cuda.get_device_name(d.device)
     peak = args.peak_tflops or (next((v for k, v in PEAK_BF16_TFLOPS if k in name), None)
@@ -341,7 +351,7 @@ def write_results(args, d, results) -> None:
         held = metrics["per_rank"][0]
         comms = ", ".join(f"{kind} {s['tensor_bytes']:,}"
                           for kind, s in metrics["comms_per_step"].items())
-        speed = f"~{metrics['tokens_per_s']:,.0f}"
+        speed = "-" if metrics["tokens_per_s"] is None else f"~{metrics['tokens_per_s']:,.0f}"
         report.print0(f"{metrics['strategy']:9} {metrics['losses'][-1]:7.4f} "
                       f"{speed:>9} {held['param_bytes']:10,} "
                       f"{held['grad_bytes']:10,} {held['optim_bytes']:10,}  {comms or '-'}")

@@ -6,6 +6,7 @@ Runs are launched lazily and shared between the tests of this file (one launch p
 """
 
 import ast
+import json
 import math
 import shutil
 
@@ -202,6 +203,67 @@ def test_exports_load_strictly_into_the_plain_gpt(gpt):
     model = GPT(251, 30, 64, 4, 2)
     for strategy in ("ref", "full", "hybrid", "ddp", "bf16"):
         model.load_state_dict(gpt(strategy)[1], strict=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# What is timed
+
+
+def test_metrics_name_the_timed_steps_and_leave_out_the_counted_one(gpt):
+    """Step 1 pays for lazy initialisation and warm-up; the last step runs under CollectiveCounter
+    (Python after every operation), so it is counted, not timed: of 4 steps, 2 and 3 are timed."""
+    for name in ("ref", "full", "ddp", "bf16"):
+        m = gpt(name)[0]
+        assert m["steps"] == m["counted_step"] == 4, name
+        assert m["timed_steps"] == [2, 3] and m["counted_step"] not in m["timed_steps"], name
+        assert m["tokens_per_s"] > 0 and m["samples_per_s"] > 0, name
+
+
+# Loads each lesson script as a module in one process (world 1), replaces the `time` it reads the
+# clock with and the CollectiveCounter it counts with by recorders, and runs its main(): the order
+# of "clock" and "count" shows whether the counted step falls inside the timed window.
+CLOCK_PROBE = """
+import json, sys, time, types
+from dtcourse import lessons
+from dtcourse.comm import CollectiveCounter
+lesson, out = sys.argv[1:]
+tiny = ["--layers", "1", "--dim", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32",
+        "--batch-size", "2"]
+events = {}
+for run, script, flags in (("transformer", "fsdp_transformer", ["--strategy", "full", "ddp"]),
+                           ("fsdp1_api", "fsdp1_api", []), ("lora", "fsdp_lora", []),
+                           ("transformer_2", "fsdp_transformer", ["--steps", "2"])):
+    module = lessons.load(f"{lesson}/{script}.py")
+    log = events[run] = []
+    module.time = types.SimpleNamespace(
+        perf_counter=lambda log=log: log.append("clock") or time.perf_counter())
+
+    class Recorded(CollectiveCounter):
+        def __enter__(self, log=log):
+            log.append("count")
+            return super().__enter__()
+    module.CollectiveCounter = Recorded
+    module.main(["--steps", "4", *tiny, *flags, "--metrics-out", f"{out}/{run}.json"])
+print("EVENTS " + json.dumps(events))
+"""
+
+
+def test_the_clock_stops_before_the_counted_step(tmp_path):
+    """fsdp_transformer.py, fsdp1_api.py and fsdp_lora.py read the clock before step 2 and again
+    before the last step, which they count: per trained model "clock", "clock", "count" (before,
+    the counted step ran between the two readings: "clock", "count", "clock"). With --steps 2
+    nothing is timed and tokens/s is None, not a number from no steps."""
+    result = run_python("-c", CLOCK_PROBE, str(REPO / LESSON), str(tmp_path), timeout=240)
+    line = next(x for x in result.stdout.splitlines() if x.startswith("EVENTS "))
+    events = json.loads(line.removeprefix("EVENTS "))
+    for run, models in (("transformer", 2), ("fsdp1_api", 2), ("lora", 2)):
+        assert events[run] == ["clock", "clock", "count"] * models, (run, events[run])
+        for m in read_json(tmp_path / f"{run}.json")["runs"].values():
+            assert m["timed_steps"] == [2, 3] and m["counted_step"] == 4, (run, m["strategy"])
+    assert events["transformer_2"] == ["count"]
+    m = read_json(tmp_path / "transformer_2.json")
+    assert m["timed_steps"] == [] and m["tokens_per_s"] is None and m["samples_per_s"] is None
+    assert "done: no step timed" in result.stdout
 
 
 # --------------------------------------------------------------------------------------------------
