@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -102,10 +101,9 @@ def build(args, strategy: str, d):
     if mesh is None:  # DDP: every rank holds the whole model; gradients all-reduced in buckets
         # gradient_as_bucket_view: .grad are views into DDP's all-reduce buckets, so DDP holds
         # the 16 bytes per parameter of the formulas, not 20 (see 01-ddp-basics/README.md).
+        # DDP's own (C++) all-reduce, no comm hook: CollectiveCounter sees it at the dispatcher.
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
-        # The default all-reduce as a Python comm hook, so that CollectiveCounter sees it.
-        model.register_comm_hook(None, allreduce_hook)
     else:  # what fully_shard did: every parameter is now a DTensor holding this rank's rows
         p = next(iter(model.parameters()))
         assert isinstance(p, DTensor) and p.placements[-1].is_shard(), p
@@ -315,6 +313,8 @@ def report_run(args, strategy: str, d, model, mesh, optimizer, losses, grad_norm
         samples_per_s=None if tokens_per_s is None else tokens_per_s / args.seq_len,
         tokens_per_s=tokens_per_s, mfu=mfu, timed_steps=timed, counted_step=args.steps,
         grad_norms=grad_norms, comms_per_step=comms,
+        # DDP: the comm hook its logging data records (None: DDP's built-in all-reduce)
+        comm_hook=None if mesh is not None else model._get_ddp_logging_data().get("comm_hook"),
         fsdp1_name=STRATEGIES[strategy][0], mesh=None if mesh is None else list(mesh.shape),
         grad_accum=args.grad_accum, seq_len=args.seq_len, params=n_params,
         param_tensors=len(list(model.parameters())), mixed_precision=args.mixed_precision,

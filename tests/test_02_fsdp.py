@@ -206,7 +206,7 @@ def test_exports_load_strictly_into_the_plain_gpt(gpt):
 
 
 # --------------------------------------------------------------------------------------------------
-# What is timed
+# What is timed, and DDP's own all-reduce
 
 
 def test_metrics_name_the_timed_steps_and_leave_out_the_counted_one(gpt):
@@ -264,6 +264,18 @@ def test_the_clock_stops_before_the_counted_step(tmp_path):
     m = read_json(tmp_path / "transformer_2.json")
     assert m["timed_steps"] == [] and m["tokens_per_s"] is None and m["samples_per_s"] is None
     assert "done: no step timed" in result.stdout
+
+
+def test_ddp_runs_its_built_in_allreduce_with_no_comm_hook(gpt):
+    """The DDP strategy keeps DDP's own (C++) all-reduce: its logging data records no comm hook,
+    and CollectiveCounter still sees the one bucket all-reduce of the gradients, 4P bytes."""
+    _, ref = gpt("ref")
+    P = sum(v.numel() for v in ref.values())
+    m = gpt("ddp")[0]
+    assert m["comm_hook"] is None, m["comm_hook"]
+    assert m["comms_per_step"]["all_reduce"]["calls"] == 1
+    assert m["comms_per_step"]["all_reduce"]["tensor_bytes"] == 4 * P
+    assert gpt("full")[0]["comm_hook"] is None  # FSDP: no DDP, no hook
 
 
 # --------------------------------------------------------------------------------------------------
