@@ -11,16 +11,19 @@ Launch (from the repository root):
     torchrun --nproc_per_node=8 02-fsdp/fsdp1_api.py --device cuda --mixed-precision bf16 \
         --layers 24 --dim 1024 --heads 16 --seq-len 1024 --vocab 50304 --batch-size 8
 
-FSDP1 wraps: `FullyShardedDataParallel(model, sharding_strategy=..., auto_wrap_policy=...)`
-returns a new module; the policy decides which submodules become nested FSDP instances (units),
-and each unit's parameters are flattened into one FlatParameter, of which every rank keeps 1/N.
-FSDP2 annotates: `fully_shard(module, mesh=..., reshard_after_forward=...)` is called by hand
-on each unit, children first, then on the root; the module keeps its class and its parameters,
-each now a DTensor holding this rank's rows. Both gather each unit with an all-gather before its
-forward, another before its backward (unless kept from forward), and reduce-scatter its
-gradients. They are not gathered one at a time: besides the root, which stays gathered, backward
-holds two units, the one computing its gradients and the next one, prefetched (and FSDP2's forward
-briefly holds a unit's all-gather buffer beside the next one's; 02-fsdp/fsdp1_api.md measures both).
+FSDP1 wraps: `FullyShardedDataParallel(model, sharding_strategy=..., auto_wrap_policy=...)` returns
+a new module; the policy decides which submodules become nested FSDP instances (units), and each
+unit's parameters are flattened into one FlatParameter, of which every rank keeps 1/N. FSDP2 works
+in place: `fully_shard(module, mesh=..., reshard_after_forward=...)` is called by hand on each
+unit, children first, then on the root, and returns the same object. It swaps the module's class
+for a generated subclass (a GPT becomes an `FSDPGPT`, subclass of both `FSDPModule` and `GPT`, so
+isinstance checks still hold) and replaces each parameter by a DTensor holding this rank's rows;
+the names and the state_dict keys stay those of the plain model. Both gather each unit with an
+all-gather before its forward, another before its backward (unless kept from forward), and
+reduce-scatter its gradients. They are not gathered one at a time: besides the root, which stays
+gathered, backward holds two units, the one computing its gradients and the next one, prefetched
+(and FSDP2's forward briefly holds a unit's all-gather buffer beside the next one's;
+02-fsdp/fsdp1_api.md measures both).
 
 The model and data are those of fsdp_transformer.py (dtcourse.models GPT and init_gpt,
 dtcourse.data token_batch), so the runs compare with it. The output is in 02-fsdp/fsdp1_api.md.
