@@ -490,6 +490,23 @@ def test_scratch_fsdp_compute_dtype(scratch):
     assert scratch("w2-adamw")[0]["gathered_dtype"] == "float32"
 
 
+def test_exercise_4_removes_the_last_line_of_reduce_scatter_grad():
+    """Exercise 4 names one line: `self._free([rec])`, the last statement of
+    FullyShardedDataParallel._reduce_scatter_grad in fsdp_from_scratch.py (not _Sharded.free(),
+    which it calls). The solution's override is that method, statement for statement, without it."""
+    def method(path, cls):
+        tree = ast.parse((REPO / LESSON / path).read_text())
+        klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        fn = next(n for n in klass.body
+                  if isinstance(n, ast.FunctionDef) and n.name == "_reduce_scatter_grad")
+        body = fn.body[1:] if ast.get_docstring(fn) else fn.body
+        return [ast.unparse(n).replace("scratch.", "") for n in body]
+    lesson = method("fsdp_from_scratch.py", "FullyShardedDataParallel")
+    solution = method("solutions/ex4_keep_after_reduce.py", "KeepAfterReduce")
+    assert lesson[-1] == "self._free([rec])"
+    assert solution == lesson[:-1]
+
+
 # --------------------------------------------------------------------------------------------------
 # fsdp_checkpoint.py: sharded DCP checkpoints
 

@@ -1,5 +1,5 @@
-"""Exercise 4 of lesson 02: the hand-written FSDP without the free() after each gradient's
-reduce-scatter.
+"""Exercise 4 of lesson 02: the hand-written FSDP without `self._free([rec])`, the line that frees
+each gathered weight after its gradient's reduce-scatter.
 
 Launch (from the repository root):
     torchrun --nproc_per_node=2 02-fsdp/solutions/ex4_keep_after_reduce.py
