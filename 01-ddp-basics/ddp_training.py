@@ -122,13 +122,31 @@ def lr_at(step: int, peak: float, warmup: int) -> float:
 
 
 def latest_checkpoint(ckpt_dir: Path):
-    """Newest checkpoint that loads (a corrupt newest one is skipped), or None."""
+    """(path, state) of the newest checkpoint that loads (a corrupt newest one is skipped), or
+    None."""
     for path in sorted(ckpt_dir.glob("step_*.pt"), reverse=True):
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return path, torch.load(path, map_location="cpu", weights_only=False)
         except Exception as exc:  # noqa: BLE001 - any unreadable file: fall back to an older one
             print(f"warning: skipping unreadable checkpoint {path}: {exc}", file=sys.stderr)
     return None
+
+
+def rng_states(device: torch.device) -> dict:
+    """The random generators' states: CPU torch, Python, and on CUDA this rank's GPU alone.
+    (torch.cuda.get_rng_state_all() would save one state per visible GPU, which a run resumed
+    with fewer GPUs visible cannot restore, and would start CUDA in a CPU run on a GPU machine.)"""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_states(states: dict, device: torch.device) -> None:
+    """Restore rng_states() on every rank. Rank 0's CUDA state suits every rank's GPU:
+    torch.manual_seed seeds every GPU alike, and the ranks draw the same numbers there."""
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if states["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 def save_checkpoint(args, d, step: int, model, optimizer, scheduler, scaler, recent_losses: list):
@@ -144,8 +162,7 @@ def save_checkpoint(args, d, step: int, model, optimizer, scheduler, scaler, rec
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "rng": rng_states(d.device),
         }
         tmp = ckpt_dir / f".step_{step:06d}.pt.tmp"
         with open(tmp, "wb") as f:
@@ -158,7 +175,8 @@ def save_checkpoint(args, d, step: int, model, optimizer, scheduler, scaler, rec
         # crash or power loss, on a local filesystem that honours fsync (ext4, xfs) and a disk
         # that does not lie about its cache. Network and parallel filesystems give their own
         # guarantees (an NFS client may see another node's rename late, through its attribute
-        # cache); whatever they do, resume takes the newest file that loads (latest_checkpoint).
+        # cache); whatever they do, resume takes the newest file that loads on rank 0, and
+        # every rank loads that one file or stops (resume).
         dir_fd = os.open(ckpt_dir, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
@@ -175,25 +193,49 @@ def save_checkpoint(args, d, step: int, model, optimizer, scheduler, scaler, rec
 
 def resume(args, d, model, optimizer, scheduler, scaler) -> tuple[int, list]:
     """Load the newest checkpoint of --ckpt-dir into every rank; return the step to start from
-    and the losses of the steps before it that the smoothed loss still averages."""
+    and the losses of the steps before it that the smoothed loss still averages.
+
+    Rank 0 alone chooses the file and sends its name to the others. Ranks that each looked for
+    themselves could find different files (a directory that is not shared by every node, an NFS
+    client that sees the newest file late) and resume different steps without a word; DDP
+    broadcast rank 0's weights at construction, before this, and not again."""
+    name, ckpt = [None], None
     if d.rank == 0:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    ckpt = latest_checkpoint(args.ckpt_dir)
-    if ckpt is None:
+        found = latest_checkpoint(args.ckpt_dir)
+        if found is not None:
+            name, ckpt = [found[0].name], found[1]
+    dist.broadcast_object_list(name, src=0)
+    if name[0] is None:
         return 0, []
-    if ckpt["step"] > args.steps:  # every rank read the same file: every rank stops here
+    path = args.ckpt_dir / name[0]
+    if ckpt is None:
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - reported once the ranks have compared steps
+            ckpt, error = None, str(exc).splitlines()[0]
+    # Every rank holds the same step, or every rank stops: one all-reduce gives the largest step
+    # and the smallest (as minus the largest of -step); a rank that could not read says -1.
+    step = ckpt["step"] if ckpt is not None else -1
+    bounds = torch.tensor([step, -step], device=d.device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    high, low = bounds[0].item(), -bounds[1].item()
+    shared = "--ckpt-dir must be on a filesystem that every node shares"
+    if ckpt is None:
+        cli.fail(f"cannot read {path}, the checkpoint rank 0 resumes from ({error}): {shared}")
+    if low < 0:
+        cli.fail(f"another rank cannot read {path}, the checkpoint rank 0 resumes from: {shared}")
+    if low != high:
+        cli.fail(f"the ranks read different steps ({low} to {high}) from {path}: {shared}")
+    if ckpt["step"] > args.steps:  # every rank read the same step: every rank stops here
         cli.fail(f"the newest checkpoint in {args.ckpt_dir} is at step {ckpt['step']}, past "
                  f"--steps {args.steps}: raise --steps, or use another --ckpt-dir")
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
     scaler.load_state_dict(ckpt["scaler"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    random.setstate(ckpt["rng"]["python"])
-    if ckpt["rng"]["cuda"] is not None and d.device.type == "cuda":
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-    report.print0(f"resumed from step {ckpt['step']} in {args.ckpt_dir}")
+    set_rng_states(ckpt["rng"], d.device)
+    report.print0(f"resumed from step {ckpt['step']} in {path}")
     rescale_lr(args, d, ckpt, optimizer, scheduler)
     return ckpt["step"], ckpt["recent_losses"]
 
@@ -232,20 +274,21 @@ def rescale_lr(args, d, ckpt, optimizer, scheduler) -> None:
 def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, recent: list,
          stop: dict):
     """Steps start_step+1 .. --steps. Returns (losses, samples/s or None when no step was timed,
-    the last step's collectives), or None when the ranks stopped on a SIGTERM.
+    the last step's collectives with --count-allreduces, else None), or None when the ranks
+    stopped on a SIGTERM.
 
     Each step's loss is that of one batch, and batches differ: printed every 10 steps, it jumps
     up and down around its trend. Beside it goes the mean of the last --log-every steps' losses
     (`recent`, kept in the checkpoints, so a resumed run prints the same figures as one that
     never stopped)."""
-    losses, t_start, timed_samples, comms = [], None, 0, {}
+    losses, t_start, timed_samples, comms = [], None, 0, None
     bar = report.progress(args.steps, "train", initial=start_step)
     for step in range(start_step, args.steps):
         if step == start_step + 1:
             t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
         launch.inject_failure(args, d.rank, step)
         lr = optimizer.param_groups[0]["lr"]  # the LR this step uses; the scheduler then moves it
-        with measure(step, args.steps) as counter:
+        with measure(step, args.steps, args.count_allreduces) as counter:
             step_loss = train_step(args, d, ddp, optimizer, scheduler, scaler, step)
         comms = counter.summary() if counter else comms
 
@@ -268,7 +311,10 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, rec
                               or done == args.steps or preempted):
             save_checkpoint(args, d, done, model, optimizer, scheduler, scaler, recent)
         if preempted:
-            report.print0(f"SIGTERM: checkpointed step {done} to {args.ckpt_dir}; exiting")
+            report.print0(f"SIGTERM: checkpointed step {done} to {args.ckpt_dir}; exiting"
+                          if args.ckpt_dir else
+                          f"SIGTERM at step {done}: nothing saved (no --ckpt-dir was given), "
+                          f"so the {done} steps since the start are lost; exiting")
             bar.close()
             return None
     bar.close()
@@ -277,14 +323,16 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, rec
 
 
 @contextlib.contextmanager
-def measure(step: int, steps: int):
+def measure(step: int, steps: int, count: bool):
     """A range per step (`nsys profile --capture-range=nvtx --nvtx-capture="step N"` records that
-    step only; 05-advanced/c-data-parallel-techniques/README.md, Profiling), and on the last
-    step a count of what it sends: DDP's bucket all-reduces, as the dispatcher sees them (yields
-    the counter then, None before)."""
-    last = step == steps - 1
+    step only; 05-advanced/c-data-parallel-techniques/README.md, Profiling), and with `count`
+    (--count-allreduces), on the last step, a count of what it sends: DDP's bucket all-reduces,
+    as the dispatcher sees them (yields the counter then, None otherwise). The counter is a
+    dispatch mode, off by default: it keeps references to the process group (dtcourse.launch,
+    teardown), and a training job has no use for it."""
+    counted = count and step == steps - 1
     with nvtx_range(f"step {step + 1}"), \
-            (comm.CollectiveCounter() if last else contextlib.nullcontext()) as counter:
+            (comm.CollectiveCounter() if counted else contextlib.nullcontext()) as counter:
         yield counter
 
 
@@ -312,7 +360,7 @@ def train(args, d):
     if start_step == args.steps:  # a finished run launched again: export what it ended with
         report.print0(f"nothing to train: {args.ckpt_dir} is already at step {start_step} "
                       f"(--steps {args.steps})")
-        losses, samples_per_s, comms = [], None, {}
+        losses, samples_per_s, comms = [], None, None
     else:
         result = loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step, recent, stop)
         if result is None:
@@ -322,7 +370,7 @@ def train(args, d):
             "samples/s not measured (the first step is not timed)"
         counted = f", all-reduce calls {allreduces.calls}" if allreduces else ""
         report.print0(f"done: {args.steps - start_step} steps, {rate}{counted}")
-        if "all_reduce" in comms:
+        if comms and "all_reduce" in comms:
             # A ring all-reduce of the gradient bytes G sends 2(N-1)/N x G from every rank.
             s, n = comms["all_reduce"], d.world_size
             G = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -351,7 +399,8 @@ def finish(args, d, model, ddp, optimizer, allreduces, losses, samples_per_s, st
                              start_step=start_step, grad_accum=args.grad_accum,
                              precision=args.precision,
                              # DDP's own record of a registered comm hook (None: its built-in
-                             # all-reduce), and the hook's count with --count-allreduces
+                             # all-reduce); with --count-allreduces the hook's count and the
+                             # last step's collectives (None without)
                              comm_hook=ddp._get_ddp_logging_data().get("comm_hook"),
                              allreduce_calls=allreduces.calls if allreduces else None,
                              comms_per_step=comms)
@@ -372,7 +421,8 @@ def parse_args(argv=None):
                    help="autocast dtype of the forward; fp16 adds a GradScaler")
     p.add_argument("--count-allreduces", action="store_true",
                    help="count DDP's all-reduce calls with a Python comm hook in place of "
-                        "its built-in all-reduce (the same averages, through Python)")
+                        "its built-in all-reduce (the same averages, through Python), and the "
+                        "last step's collectives and bytes at the dispatcher")
     cli.add_ckpt_args(p, keep=True)
     p.add_argument("--spawn", type=int, default=0, metavar="N",
                    help="start N local ranks with torch.multiprocessing.spawn instead of torchrun")

@@ -12,7 +12,12 @@ Several launches are the lesson README's own commands, run verbatim, so the READ
 ones checked. They write under runs/ (git-ignored).
 """
 
+import ast
+import re
 import shutil
+import signal
+import subprocess
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +27,8 @@ from conftest import (
     REPO,
     assert_adamw_close,
     assert_state_dicts_equal,
+    base_env,
+    finish,
     free_port,
     launch,
     load_export,
@@ -33,6 +40,7 @@ from conftest import (
     run_together,
     run_torchrun,
     run_torchrun_nodes,
+    start,
 )
 
 TRAIN = "01-ddp-basics/ddp_training.py"
@@ -106,20 +114,22 @@ def test_accumulation_equals_the_full_batch_and_skips_the_allreduce(tmp_path, fu
     bucket per synced backward), as the README's --count-allreduces counts them.
 
     Without the flag the template runs DDP's own (C++) all-reduce: DDP's logging data records no
-    comm hook. The counting flag swaps in a Python comm hook that averages as DDP does (sum,
-    divided by the world size: a power of two here, so exact either way) and counts; both must
-    export the same model, bitwise."""
+    comm hook, and no counter watches the last step (no dispatch mode, no `last step:` line). The
+    counting flag swaps in a Python comm hook that averages as DDP does (sum, divided by the
+    world size: a power of two here, so exact either way) and counts; both must export the same
+    model, bitwise."""
     weights, m = accum_run
     assert m["world_size"] == 2 and m["grad_accum"] == 2 and m["global_batch"] == 64
     assert_adamw_close(weights, full_run, **ADAMW, msg="accumulation vs full batch:")
     assert m["comm_hook"] and "counting_allreduce" in m["comm_hook"], m["comm_hook"]
     assert m["allreduce_calls"] == 40, "no_sync() must skip the first micro-step's all-reduce"
     plain = tmp_path / "plain"
-    run_torchrun(TRAIN, "--grad-accum", "2", "--batch-size", "16",
-                 "--export", plain / "model.pt", "--metrics-out", plain / "metrics.json",
-                 timeout=240)
+    result = run_torchrun(TRAIN, "--grad-accum", "2", "--batch-size", "16",
+                          "--export", plain / "model.pt", "--metrics-out", plain / "metrics.json",
+                          timeout=240)
     c = read_json(plain / "metrics.json")
     assert c["comm_hook"] is None and c["allreduce_calls"] is None, "a hook on the default path"
+    assert c["comms_per_step"] is None and "last step:" not in result.stdout, result.stdout
     assert_state_dicts_equal(load_export(plain / "model.pt"), weights,
                              msg="DDP's all-reduce vs the counting hook:")
 
@@ -170,7 +180,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(full_run, first_hal
     assert "step    1/20 | loss 2.2772 | mean of last  1 2.2772 | lr 0.00200" in first.stdout, \
         first.stdout
     second = readme_run(SECOND_HALF, "ddp_resumed.pt")
-    assert "resumed from step 20" in second.stdout
+    assert "resumed from step 20 in runs/ddp_ckpt/step_000020.pt" in second.stdout, second.stdout
     # Steps 30 and 40 print what the uninterrupted run printed, smoothed loss included (a lost
     # window would not show here: steps 21-30 fill it again; the next test resumes mid-window).
     steps = [line for line in second.stdout.splitlines() if line.startswith("step ")]
@@ -189,6 +199,7 @@ def test_a_resume_at_another_world_size_rescales_the_lr(tmp_path, first_half):
     _, saved = first_half
     state = torch.load(saved, map_location="cpu", weights_only=False)
     assert (state["world_size"], state["global_batch"]) == (2, 64)
+    assert state["rng"]["cuda"] is None  # made on CPU: no CUDA generator to restore
     assert state["scheduler"]["base_lrs"] == [0.02]
     ckpt = tmp_path / "resized"
     ckpt.mkdir()
@@ -216,6 +227,113 @@ def test_a_resume_at_another_world_size_rescales_the_lr(tmp_path, first_half):
             "one): cannot check its peak lr 0.02 against this run's world 1 (global batch 32, "
             "peak lr 0.01); training on at the checkpoint's" in result.stdout), result.stdout
     assert "step   21/21 |" in result.stdout and result.stdout.rstrip().count("| lr 0.02000") == 1
+
+
+def start_nodes(nodes: list, *args) -> list:
+    """One rank per simulated node, each started in its own directory (its own local disk), all
+    with the same command and the same relative --ckpt-dir; each rank's result."""
+    port, procs, t0 = free_port(), [], time.monotonic()
+    for rank, node in enumerate(nodes):
+        env = {"RANK": rank, "LOCAL_RANK": 0, "WORLD_SIZE": len(nodes), "LOCAL_WORLD_SIZE": 1,
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append((start([PYTHON, REPO / TRAIN, *args], env=env, cwd=node),
+                      [PYTHON, TRAIN, *args]))
+    return [finish(proc, cmd, timeout=120, t0=t0, check=False) for proc, cmd in procs]
+
+
+def test_every_rank_resumes_the_file_rank_0_chose_or_every_rank_stops(tmp_path, first_half):
+    """Two nodes whose --ckpt-dir is not one shared directory (the same path on each node's own
+    disk): rank 0 finds step_000020.pt; rank 1's directory is empty. Each rank choosing for
+    itself, rank 0 would resume at step 20 and rank 1 start from scratch, and the ranks would
+    train apart. Rank 0 chooses, sends the name, and every rank loads that file; rank 1 cannot,
+    so both stop with one line each that names the file and the cause.
+
+    Then rank 1's file of that name holds another step (here written so by hand; whatever makes
+    ranks load different states, the ranks compare the step they read before training): both
+    stop, naming the steps."""
+    _, saved = first_half
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        (node / "ckpt").mkdir(parents=True)
+    shutil.copy(saved, nodes[0] / "ckpt")
+    args = ["--steps", "22", "--ckpt-dir", "ckpt", "--timeout-s", "30"]
+    path = "ckpt/step_000020.pt"
+    shared = "--ckpt-dir must be on a filesystem that every node shares"
+    rank0, rank1 = start_nodes(nodes, *args)
+    assert rank0.returncode == rank1.returncode == 2, rank0.describe() + rank1.describe()
+    assert rank0.stderr_lines() == [f"[rank 0] error: another rank cannot read {path}, the "
+                                    f"checkpoint rank 0 resumes from: {shared}"], rank0.describe()
+    assert rank1.stderr_lines() == [f"[rank 1] error: cannot read {path}, the checkpoint rank 0 "
+                                    f"resumes from ([Errno 2] No such file or directory: "
+                                    f"'{path}'): {shared}"], rank1.describe()
+    assert "resumed" not in rank0.stdout
+
+    state = torch.load(saved, map_location="cpu", weights_only=False)
+    state["step"] = 10
+    torch.save(state, nodes[1] / path)
+    for rank, result in enumerate(start_nodes(nodes, *args)):
+        assert result.returncode == 2 and result.stderr_lines() == [
+            f"[rank {rank}] error: the ranks read different steps (10 to 20) from {path}: "
+            f"{shared}"], result.describe()
+
+
+def test_checkpoints_keep_the_cuda_rng_state_of_this_rank_gpu_only(monkeypatch):
+    """torch.cuda.get_rng_state_all() saves one state per visible GPU: a run resumed with fewer
+    GPUs visible (srun --gpus-per-task=1, a requeue onto a smaller node) fails in
+    set_rng_state_all, and a CPU run on a GPU machine starts CUDA to save it. The template
+    saves and restores the state of the rank's own GPU, on CUDA only: a CPU run touches no CUDA
+    function (all of them fail here, with CUDA said to be available), and a CUDA run (simulated:
+    no GPU on the test machine) reads and writes its own device's state, once each."""
+    source = (REPO / TRAIN).read_text()
+    calls = {node.func.attr for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    assert not calls & {"get_rng_state_all", "set_rng_state_all"}
+    training = load_script(TRAIN)
+
+    def touched(*args, **kwargs):
+        raise AssertionError("a CPU run touched CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("init", "get_rng_state", "get_rng_state_all", "set_rng_state",
+                 "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    cpu = torch.device("cpu")
+    states = training.rng_states(cpu)
+    assert states["cuda"] is None
+    training.set_rng_states(states, cpu)
+
+    seen, gpu = [], torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: seen.append(
+        ("get", device)) or torch.zeros(16, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: seen.append(
+        ("set", device)))
+    training.set_rng_states(training.rng_states(gpu), gpu)
+    assert seen == [("get", gpu), ("set", gpu)]
+
+
+def test_sigterm_without_a_ckpt_dir_says_that_nothing_was_saved(tmp_path):
+    """SIGTERM (a preemption) stops every rank at the same step. With --ckpt-dir the template
+    checkpoints that step; without one nothing is saved, and the line says so."""
+    log = tmp_path / "run.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([PYTHON, TRAIN, "--steps", "1000000", "--log-every", "1"],
+                                cwd=REPO, env=base_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while "step    2/" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() - t0 < 120, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    text = log.read_text()
+    stopped = re.search(r"SIGTERM at step (\d+): nothing saved \(no --ckpt-dir was given\), so "
+                        r"the (\d+) steps since the start are lost; exiting", text)
+    assert proc.returncode == 0 and stopped, text[-2000:]
+    assert stopped.group(1) == stopped.group(2) and "checkpointed" not in text
 
 
 def test_fp16_on_cpu_trains_and_world2_equals_one_process(tmp_path, full_run):
