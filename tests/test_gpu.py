@@ -149,6 +149,21 @@ HBM_GBPS = [("H100 PCIe", 2000), ("H100 NVL", 3900), ("H200", 4800), ("H100", 33
             ("A100-SXM4-80GB", 2039), ("A100", 1555)]
 
 
+def test_ddp_built_in_allreduce_is_counted_on_cuda(tmp_path):
+    """fsdp_transformer.py's DDP strategy runs DDP's own all-reduce (no comm hook) and counts it
+    at the dispatcher. On the CPU the reducer launches it from the thread that runs backward; on
+    CUDA autograd runs backward on its device thread: the count must still see the one all-reduce
+    of the gradient bytes (4 bytes per parameter in fp32)."""
+    metrics = tmp_path / "m.json"
+    run_torchrun("02-fsdp/fsdp_transformer.py", "--strategy", "ddp", "--steps", "3", "--device",
+                 "cuda", "--metrics-out", metrics, nproc=1, timeout=300, env=GPUS)
+    m = read_json(metrics)
+    run = m["runs"]["ddp"] if "runs" in m else m
+    assert run.get("comm_hook") is None, run.get("comm_hook")
+    params = run["per_rank"][0]["param_bytes"] // 4
+    assert run["comms_per_step"]["all_reduce"]["tensor_bytes"] == 4 * params, run["comms_per_step"]
+
+
 def test_hbm_copy_bandwidth():
     """A device-to-device copy reads and writes every byte: 2 x size / time. A copy reaches most
     of the data sheet's bandwidth (typically 80-90%): asserted between half of it and all of it,
