@@ -6,7 +6,7 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py             # 2 ranks, one node
     torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py --grad-accum 2 --ckpt-dir runs/ddp
     python 01-ddp-basics/ddp_training.py --spawn 2                        # mp.spawn, no torchrun
-    srun -n 2 python 01-ddp-basics/ddp_training.py                        # SLURM, one task per GPU
+    srun -n 2 --gpus-per-task=1 --cpus-per-task=8 python 01-ddp-basics/ddp_training.py  # SLURM
     torchrun --nproc_per_node=8 01-ddp-basics/ddp_training.py --device cuda --precision bf16
 
 What DDP does each optimizer step (and where this file does it):
