@@ -16,6 +16,7 @@ by then, so no rank can collect the others'.
 import re
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -55,7 +56,22 @@ def run(args, d) -> dict:
         first = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", lines[0])  # drop gloo's source path
         outcome = {"rank": d.rank, "error": type(exc).__name__, "message": first,
                    "where": where, "waited_s": waited}
+        wait_for_every_rank_to_fail(d, args.timeout_s)
     return outcome
+
+
+def wait_for_every_rank_to_fail(d, timeout_s: float) -> None:
+    """Stay alive until every rank has caught its own error.
+
+    A rank that leaves closes its connections, and a rank still waiting is then told
+    "Connection closed by peer" instead of its own timeout. The group's collectives are broken,
+    but the rendezvous store every rank registered with still answers.
+    """
+    if d.world_size == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"ex3/caught/{d.rank}", "1")
+    store.wait([f"ex3/caught/{r}" for r in range(d.world_size)], timedelta(seconds=3 * timeout_s))
 
 
 def parse_args(argv=None):
