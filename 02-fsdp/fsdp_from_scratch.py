@@ -317,7 +317,7 @@ def finish(args, d, fsdp, optimizer, numels, trainable, losses, samples_per_s, r
         diff = max((full[n] - p.detach()).abs().max().item()
                    for n, p in reference.model.named_parameters())
         report.print0(f"single-process reference: final loss {reference.losses[-1]:.4f}, "
-                      f"max |w_fsdp - w_single| = {diff:.2g}")
+                      f"max |w_fsdp - w_single| = ~{diff:.1e}")
         report.save_state_dict(args.reference, plain_state_dict(
             dict(reference.model.named_parameters())))
     metrics = report.metrics(

@@ -106,7 +106,7 @@ def run(args, model: nn.Module, d, deepspeed) -> None:
     head_dim = engine.module.blocks[0].attn.head_dim
     report.print0(f"rank 0 holds q/k/v with {local_width} of {args.dim} output features "
                   f"({local_width // head_dim} heads)")
-    report.print0(f"max |deepspeed - plain| over {tuple(got.shape)} logits: {diff:.2e} "
+    report.print0(f"max |deepspeed - plain| over {tuple(got.shape)} logits: ~{diff:.1e} "
                   f"(tolerance {tol:g})")
     report.print0(f"next-token accuracy over the prompts: {accuracy:.1%}")
     report.print0(f"prompt {tokens[0, :8].tolist()} -> greedy {tokens[0, 8:].tolist()} "
