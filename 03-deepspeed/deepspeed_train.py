@@ -6,14 +6,19 @@ Launch (from the repository root):
         --deepspeed_config 03-deepspeed/configs/zero2_config.json        # 2 ranks, one node
     python 03-deepspeed/deepspeed_train.py --deepspeed_config 03-deepspeed/configs/zero0_config.json
     torchrun --nproc_per_node=2 03-deepspeed/deepspeed_train.py --deepspeed_config ...
-    srun -n 2 python 03-deepspeed/deepspeed_train.py --deepspeed_config ...   # SLURM
+    srun -n 2 --gpus-per-task=1 --cpus-per-task=8 python 03-deepspeed/deepspeed_train.py \
+        --deepspeed_config ...                                            # SLURM: one task a rank
     deepspeed --num_gpus 8 03-deepspeed/deepspeed_train.py \
         --deepspeed_config 03-deepspeed/configs/zero3_config.json --layers 12 --dim 768 --heads 12
 
 What a DeepSpeed engine does each optimizer step (the config's "stage" picks the sharding):
     logits = engine(x)       forward; ZeRO-3 all-gathers each layer's parameters just in time
-    engine.backward(loss)    scales by 1/grad_accum; stage 0/1 keep full gradients until the last
-                             micro-step, stage 2/3 reduce each bucket to the rank owning it
+    engine.backward(loss)    scales by 1/grad_accum; reduces the gradients in buckets. Stages 0-1
+                             keep full gradients and all-reduce them at the last micro-step only;
+                             stage 2 all-reduces each bucket as it fills, every micro-step, and
+                             each rank keeps the slice in its partition (DeepSpeed 0.19: one
+                             `reduce` per owner instead with use_multi_rank_bucket_allreduce
+                             false); stage 3 reduce-scatters each bucket into the partitions
     engine.step()            on the last micro-step only: clip, step the optimizer on this rank's
                              shard, all-gather the updated parameters (stage 1/2), LR schedule
 
@@ -278,24 +283,65 @@ def resume(engine, args, d) -> int:
     return client["step"]
 
 
+def low_precision_masters(optimizer, saved: dict | None = None) -> dict:
+    """{id(parameter): its fp32 master} under the optimizers DeepSpeed wraps a stage-0 bf16 / fp16
+    run in (FP16_UnfusedOptimizer: one fp32 copy per parameter, `fp32_groups`; FP16_Optimizer,
+    with a fused Adam: one flat fp32 buffer per group, `fp32_groups_flat`), read from the live
+    optimizer or from its `saved` state_dict (a stage-0 checkpoint's "optimizer"). Empty for
+    other optimizers: ZeRO's and BF16_Optimizer's masters are found by safe_get_full_fp32_param.
+    """
+    from torch._utils import _unflatten_dense_tensors
+    low = getattr(optimizer, "fp16_groups", None)
+    source = saved if saved is not None else vars(optimizer)
+    if low is None:
+        return {}
+    if "fp32_groups" in source:
+        masters = source["fp32_groups"]
+    elif "fp32_groups_flat" in source:
+        masters = [_unflatten_dense_tensors(flat, group)
+                   for flat, group in zip(source["fp32_groups_flat"], low)]
+    else:
+        return {}
+    return {id(p): m for group, fp32 in zip(low, masters) for p, m in zip(group, fp32)}
+
+
 def fp32_state_dict(engine, model, deepspeed, args) -> dict:
-    """Consolidated fp32 weights on CPU, keyed like the plain GPT's state_dict. Every rank must
-    call it: at stage 3 each gather is a collective."""
+    """Consolidated fp32 weights on CPU, keyed like the plain GPT's state_dict: the optimizer's
+    fp32 master where it keeps one, never 16-bit weights upcast. Every rank must call it: at
+    stage 3 each gather is a collective."""
+    masters = {}
     if args.export_source == "checkpoint":
-        if not engine.zero_optimization():  # stage 0 checkpoints hold the whole module
-            tag = (args.ckpt_dir / "latest").read_text().strip()
-            path = args.ckpt_dir / tag / "mp_rank_00_model_states.pt"
-            state = torch.load(path, map_location="cpu", weights_only=False)["module"]
-            return {k: v.float() for k, v in state.items()}
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        return get_fp32_state_dict_from_zero_checkpoint(str(args.ckpt_dir)) \
-            if engine.global_rank == 0 else {}
+        if engine.zero_optimization():
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            return get_fp32_state_dict_from_zero_checkpoint(str(args.ckpt_dir)) \
+                if engine.global_rank == 0 else {}
+        # Stage 0: one file holds the whole module and, in mixed precision, the fp32 master in
+        # the optimizer's state (in the live optimizer's parameter order).
+        tag = (args.ckpt_dir / "latest").read_text().strip()
+        path = args.ckpt_dir / tag / "mp_rank_00_model_states.pt"
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        module = saved["module"]
+        masters = low_precision_masters(engine.optimizer, saved["optimizer"])
+    else:
+        module = model.state_dict(keep_vars=True)
+        masters = low_precision_masters(engine.optimizer)
+    params = dict(model.named_parameters(remove_duplicate=False))
     out = {}
-    for name, p in model.state_dict(keep_vars=True).items():
-        # ZeRO keeps the fp32 master in shards: gather it (stage 3: an all-gather). None where
-        # the optimizer steps the module's own parameters (stage 0).
-        full = deepspeed.utils.safe_get_full_fp32_param(p)
-        out[name] = (full if full is not None else p.detach()).float().cpu().clone()
+    for name, value in module.items():
+        p = params.get(name)
+        # ZeRO keeps the fp32 master in shards: gather it (stage 3: an all-gather). At stage 0
+        # safe_get_full_fp32_param returns None: in fp32 the optimizer steps the module's own
+        # parameters; in bf16 / fp16 the master sits in the FP16_(Unfused)Optimizer's groups.
+        full = None
+        if p is not None:
+            full = masters.get(id(p))
+            if full is None and args.export_source == "engine":
+                full = deepspeed.utils.safe_get_full_fp32_param(p)
+        if full is None and p is not None and value.dtype != torch.float32:
+            cli.fail(f"--export: {name} is {value.dtype} and {type(engine.optimizer).__name__} "
+                     "exposes no fp32 master for it; upcasting the 16-bit weights would lose "
+                     "what the master holds below their precision")
+        out[name] = (full if full is not None else value.detach()).float().cpu().clone()
     return out
 
 
@@ -365,7 +411,9 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
                               or done == args.steps or preempted):
             save_checkpoint(engine, args.ckpt_dir, done, d.rank)
         if preempted:
-            report.print0(f"SIGTERM: checkpointed step {done} to {args.ckpt_dir}; exiting")
+            report.print0(f"SIGTERM: checkpointed step {done} to {args.ckpt_dir}; exiting"
+                          if args.ckpt_dir else
+                          f"SIGTERM: stopped after step {done}; nothing saved (no --ckpt-dir)")
             bar.close()
             return None
     bar.close()

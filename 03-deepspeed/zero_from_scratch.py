@@ -17,7 +17,11 @@ updates it. After the update the owner broadcasts the new values, so all replica
 
 Per rank: Adam state 8P/N instead of 8P (both stages); gradients kept P/N at stage 2 instead of P.
 Communication per step: stage 1 all-reduce (2P) + broadcasts (P); stage 2 reduce (P) + broadcasts
-(P). DeepSpeed does the same with flat buffers, buckets and reduce-scatter / all-gather.
+(P). DeepSpeed 0.19 cuts one flat buffer of all parameters into N equal partitions instead of
+dealing out whole parameters; its backward all-reduces each bucket of gradients (stage 1 at the
+last micro-step, stage 2 as each bucket fills) and each rank keeps its partition's slice (one
+`reduce` per owner with use_multi_rank_bucket_allreduce false), and one all-gather of the
+partitions replaces the broadcasts. Only its stage 3 reduce-scatters.
 
 Set-up, metrics and export come from the course's shared module, dtcourse; the data is its
 classification_batch (lesson 01's task).
