@@ -9,8 +9,11 @@ Launch (from the repository root):
 
 Unlike a collective, a point-to-point call involves two ranks: the sender names the receiver
 (dst) and the receiver names the sender (src), and the two calls must match in size and dtype.
-A blocking send returns once its data is handed over; on gloo that is when the receiver has
-posted the matching recv, on NCCL small messages may be buffered but large ones wait too. So:
+"Blocking" does not mean the same on every backend. On gloo dist.send returns once the receiver
+has posted the matching recv and taken the data. On NCCL dist.send returns to Python at once: it
+queues the send on the GPU's stream, and the stream waits, for the receiver whenever NCCL cannot
+buffer the message (a later recv, queued behind it, waits too). So on gloo always, and on NCCL
+with messages it cannot buffer (in Python or on the GPU):
 
     every rank:  send(to right)  -> recv(from left)      DEADLOCK: nobody is receiving
     fix 1:       even ranks send first, odd ranks receive first (the chain is broken)
@@ -38,7 +41,7 @@ def ping_pong(rank, world, numel, device) -> bool:
     """Blocking send/recv between ranks 0 and 1; the others are not involved and return at once."""
     if rank == 0:
         x = torch.arange(3.0, device=device)
-        dist.send(x, dst=1)  # returns once rank 1 has taken the data
+        dist.send(x, dst=1)  # gloo: returns once rank 1 has taken the data; NCCL: at once
         back = torch.empty(3, device=device)
         dist.recv(back, src=1)
         return torch.equal(back, x * 10)

@@ -1,15 +1,21 @@
-"""Ring all-reduce by hand, beside the naive algorithm and the library's dist.all_reduce.
+"""Ring all-reduce by hand: the plain ring, then the pipelined ring, beside the naive algorithm
+and the library's dist.all_reduce.
 
 Launch (from the repository root):
     torchrun --nproc_per_node=2 04-nccl-operations/ring_allreduce.py     # checks, then timings
     torchrun --nproc_per_node=4 04-nccl-operations/ring_allreduce.py --sizes 64M --iters 10
     torchrun --nproc_per_node=8 04-nccl-operations/ring_allreduce.py --device cuda --sizes 256M
     torchrun --nproc_per_node=4 04-nccl-operations/ring_allreduce.py --trace-out runs/ring.json
-        # ^ one ring, step by step: who sends which chunk, whose inputs each chunk then sums
+        # ^ the plain ring, step by step: who sends which chunk, whose inputs each chunk then sums
 
-The ring is the bandwidth-optimal all-reduce (Patarasuk & Yuan, 2009) that gloo runs, and NCCL too
-for large messages. The n ranks form a ring: rank r sends to r+1 and receives from r-1. The tensor
-is cut into n chunks c0..c(n-1), of unequal size when n does not divide numel:
+The ring is the bandwidth-optimal all-reduce (Patarasuk & Yuan, 2009), the one gloo runs. NCCL has
+it too, but picks an algorithm per message size and topology: on an NVSwitch node (H100, H200,
+B200 SXM) NVLS, the reduction done in the switch, from about 2 MiB; across nodes often Tree or
+NVLSTree (NVLS inside each node, a tree between nodes); NCCL_ALGO forces one.
+
+The plain ring (plain_ring_all_reduce). The n ranks form a ring: rank r sends to r+1 and
+receives from r-1. The tensor is cut into n chunks c0..c(n-1), of unequal size when n does not
+divide numel, and every step moves one whole chunk:
 
     reduce-scatter, n-1 steps: at step s rank r sends chunk (r - s) and receives chunk (r - s - 1),
         which it adds to its own copy. After n-1 steps rank r holds chunk (r + 1) fully reduced.
@@ -20,16 +26,17 @@ is cut into n chunks c0..c(n-1), of unequal size when n does not divide numel:
         rank 0: [ c0, c1=abc, c2 ]   rank 1: [ c0, c1, c2=abc ]   rank 2: [ c0=abc, c1, c2 ]
 
 Every step each rank sends one chunk and receives one chunk at the same time, so every link of the
-ring is busy in both phases. Each rank sends 2(n-1) chunks of S/n bytes: 2(n-1)/n * S in total,
-which tends to 2S whatever n is - this is why a ring's bandwidth does not fall as ranks are added,
-and where nccl-tests' bus-bandwidth factor 2(n-1)/n comes from. The naive algorithm (send all to
-rank 0, add, send the result back) makes rank 0 receive and send (n-1) * S: its link is the
-bottleneck and the time grows linearly with n.
+ring is busy in both directions in both phases. Each rank sends 2(n-1) chunks of S/n bytes:
+2(n-1)/n * S in each direction, which tends to 2S whatever n is - this is why a ring's bandwidth
+does not fall as ranks are added, and where nccl-tests' bus-bandwidth factor 2(n-1)/n comes from.
+The naive algorithm (send all to rank 0, add, send the result back) puts (n-1) * S on rank 0's
+link in each direction (n-1 tensors in, then n-1 out): that link is the bottleneck, and the time
+grows linearly with n.
 
-Pipelining. A reduce-scatter step receives a chunk and then adds it; done whole, the link idles
-during the add and the add waits for the link. Cutting the chunk into segments (--segment, 4 MiB)
-lets segment k+1 travel while segment k is added, as gloo does with 1 MiB segments; the README
-measures what this buys ("How close is the hand ring to gloo?").
+The pipelined ring (ring_all_reduce). A plain reduce-scatter step receives a whole chunk and then
+adds it: the link idles during the add and the add waits for the link. Cutting the chunk into
+segments (--segment, 4 MiB) lets segment k+1 travel while segment k is added, as gloo does with
+1 MiB segments; with --segment 0 it is the plain ring again. The README measures what this buys.
 """
 
 import re
@@ -49,7 +56,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 # --------------------------------------------------------------------------------------------------
-# The algorithms: both reduce `tensor` in place on every rank of `group` and return it
+# The algorithms: each reduces `tensor` in place on every rank of `group` and returns it. The plain
+# ring first, then the pipelined ring (the same steps, with each reduce-scatter step overlapped).
 
 
 def chunk_bounds(numel: int, n: int) -> list[int]:
@@ -100,24 +108,67 @@ def _ring_peers(group):
     return r, n, glob((r + 1) % n), glob((r - 1) % n)
 
 
-def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
-                    segment_bytes: int = 4 << 20) -> torch.Tensor:
-    """All-reduce `tensor` in place with the ring algorithm (reduce-scatter, then all-gather).
-
-    segment_bytes: each reduce-scatter step is cut into segments of at most this size and
-    pipelined: segment k+1 travels while segment k is being added (see `_send_and_accumulate`).
-    0 turns pipelining off: the whole chunk is exchanged, then added.
-    """
-    for _ in ring_steps(tensor, op, group, segment_bytes):
+def plain_ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """All-reduce `tensor` in place with the plain ring: n chunks, 2(n-1) steps, and in every
+    step each rank sends one whole chunk to its right neighbour while it receives one from its
+    left (reduce-scatter, then all-gather)."""
+    for _ in plain_ring_steps(tensor, op, group):
         pass  # each step has already exchanged its chunks; the trace (below) looks in between
     return tensor
 
 
+def plain_ring_steps(tensor: torch.Tensor, op: str = "sum", group=None):
+    """The plain ring one step at a time: after each of its 2(n-1) steps, yield (phase, step,
+    chunk sent to the right neighbour, chunk received from the left one), with `tensor` as that
+    step left it. `plain_ring_all_reduce` runs it to the end; `trace_ring` stops at every step
+    to record what each rank holds."""
+    _check(tensor, op)
+    r, n, right, left = _ring_peers(group)
+    if n == 1 or tensor.numel() == 0:
+        return
+    flat = tensor.view(-1)  # a view: every chunk below writes into `tensor` itself
+    bounds = chunk_bounds(flat.numel(), n)
+
+    def chunk(i):
+        i %= n
+        return flat[bounds[i]:bounds[i + 1]]
+
+    # One chunk's room for what arrives (chunk 0 is never smaller than any other).
+    incoming = torch.empty(bounds[1] - bounds[0], dtype=flat.dtype, device=flat.device)
+
+    # Phase 1, reduce-scatter: n-1 steps; at step s send chunk r-s, receive chunk r-s-1, add it.
+    for s in range(n - 1):
+        mine = chunk(r - s - 1)
+        got = incoming[:mine.numel()]
+        _exchange(chunk(r - s), right, got, left, group)  # the whole chunk crosses, then ...
+        mine.add_(got)  # ... it is added, while the link idles (the pipelined ring overlaps them)
+        yield "reduce-scatter", s, (r - s) % n, (r - s - 1) % n
+
+    if op == "avg":  # divide the one chunk this rank owns: each element is divided exactly once
+        chunk(r + 1).div_(n)
+
+    # Phase 2, all-gather: n-1 steps; at step s send the finished chunk r+1-s, receive chunk r-s
+    # directly into place (no buffer, no add).
+    for s in range(n - 1):
+        _exchange(chunk(r + 1 - s), right, chunk(r - s), left, group)
+        yield "all-gather", s, (r + 1 - s) % n, (r - s) % n
+
+
+def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
+                    segment_bytes: int = 4 << 20) -> torch.Tensor:
+    """All-reduce `tensor` in place with the pipelined ring: the plain ring's steps, with each
+    reduce-scatter step cut into segments of at most segment_bytes: segment k+1 travels while
+    segment k is being added (see `_send_and_accumulate`). 0 turns pipelining off: the whole
+    chunk is exchanged, then added, as in the plain ring.
+    """
+    for _ in ring_steps(tensor, op, group, segment_bytes):
+        pass
+    return tensor
+
+
 def ring_steps(tensor: torch.Tensor, op: str = "sum", group=None, segment_bytes: int = 4 << 20):
-    """The ring of `ring_all_reduce`, one step at a time: after each of its 2(n-1) steps, yield
-    (phase, step, chunk sent to the right neighbour, chunk received from the left one), with
-    `tensor` as that step left it. `ring_all_reduce` runs it to the end; `trace_ring` stops at
-    every step to record what each rank holds."""
+    """The pipelined ring of `ring_all_reduce`, one step at a time, yielding what
+    `plain_ring_steps` yields: only the reduce-scatter step differs from the plain ring."""
     _check(tensor, op)
     r, n, right, left = _ring_peers(group)
     if n == 1 or tensor.numel() == 0:
@@ -192,7 +243,8 @@ def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch
     """All-reduce `tensor` in place the naive way: everything to rank 0, add, send back.
 
     Rank 0 receives n-1 full tensors one after another and then sends n-1 full tensors: its
-    link carries (n-1) * S bytes each way, against 2(n-1)/n * S per rank for the ring.
+    link carries (n-1) * S bytes in each direction (in, then out), against 2(n-1)/n * S in each
+    direction on every link of the ring.
     """
     _check(tensor, op)
     n, r = dist.get_world_size(group), dist.get_rank(group)
@@ -230,13 +282,9 @@ def library_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> tor
     return tensor
 
 
-def ring_all_reduce_unpipelined(tensor: torch.Tensor, op: str = "sum", group=None):
-    """The same ring with whole-chunk steps: exchange the chunk, then add it (no overlap)."""
-    return ring_all_reduce(tensor, op, group, segment_bytes=0)
-
-
-ALGORITHMS = {"library": library_all_reduce, "ring": ring_all_reduce,
-              "ring_unpipelined": ring_all_reduce_unpipelined, "naive": naive_all_reduce}
+# The columns of the checks and timings, in this order: the plain ring first.
+ALGORITHMS = {"plain_ring": plain_ring_all_reduce, "pipelined_ring": ring_all_reduce,
+              "library": library_all_reduce, "naive": naive_all_reduce}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -262,8 +310,8 @@ def contributions(chunk: torch.Tensor, n: int) -> list[int] | None:
     return ranks
 
 
-def trace_ring(numel: int, d, segment_bytes: int) -> dict:
-    """Run `ring_steps` once on inputs whose sums name their ranks, recording after every step
+def trace_ring(numel: int, d) -> dict:
+    """Run `plain_ring_steps` once on inputs whose sums name their ranks, recording after every step
     what this rank sent and received and what each of its chunks holds; every rank's record is
     gathered (on every rank), one row per step, each row listing the ranks in order."""
     n, r = d.world_size, d.rank
@@ -276,7 +324,7 @@ def trace_ring(numel: int, d, segment_bytes: int) -> dict:
 
     _, _, right, left = _ring_peers(None)
     mine = [{"phase": "start", "step": None, "send": None, "recv": None, "chunks": holdings()}]
-    for phase, s, sent, received in ring_steps(x, "sum", None, segment_bytes):
+    for phase, s, sent, received in plain_ring_steps(x, "sum", None):
         mine.append({"phase": phase, "step": s,
                      "send": {"chunk": sent, "to": right, "elements": sizes[sent]},
                      "recv": {"chunk": received, "from": left, "elements": sizes[received]},
@@ -286,7 +334,7 @@ def trace_ring(numel: int, d, segment_bytes: int) -> dict:
              "ranks": [{k: every[rank][i][k] for k in ("send", "recv", "chunks")}
                        for rank in range(n)]} for i, row in enumerate(mine)]
     return {"script": "04-nccl-operations/ring_allreduce.py", "world_size": n, "numel": numel,
-            "chunk_sizes": sizes, "segment_bytes": segment_bytes, "device": d.device.type,
+            "chunk_sizes": sizes, "algorithm": "plain ring", "device": d.device.type,
             "backend": d.backend, "torch_version": torch.__version__,
             "input": "rank r holds (n+1)^r in every element", "steps": rows}
 
@@ -392,8 +440,8 @@ def check_all(args, d, algos: dict) -> list[dict]:
 def time_algorithms(algos: dict, numel: int, dtype, args, device) -> dict[str, float]:
     """Median over iterations of the slowest rank's time, per algorithm, in microseconds.
 
-    The algorithms are interleaved within each iteration (library, ring, naive, library, ...) so
-    that load from other jobs on a shared machine falls on all three alike.
+    The algorithms are interleaved within each iteration (plain ring, pipelined ring, library,
+    naive, plain ring, ...) so that load from other jobs on a shared machine falls on all alike.
     """
     source = rank_input(numel, dist.get_rank(), args.seed, dtype, device)
     work = torch.empty_like(source)
@@ -422,14 +470,15 @@ def approx(value: float, fmt: str) -> str:
 
 
 def time_all(args, d, algos: dict) -> list[dict]:
-    """Each size of --sizes: the median time of every algorithm and the ring's busbw."""
+    """Each size of --sizes: the median time of every algorithm and the pipelined ring's busbw."""
     dtype = DTYPES[args.dtype]
     esize = torch.tensor([], dtype=dtype).element_size()
     factor = 2 * (d.world_size - 1) / d.world_size  # nccl-tests' all-reduce bus-bandwidth factor
-    report.print0(f"\ntime (ms), median of {args.iters}; busbw of the ring in GB/s "
+    report.print0(f"\ntime (ms), median of {args.iters}; busbw of the pipelined ring in GB/s "
                   "(~: depends on the machine's speed)")
     report.print0(f"{'size':>6} " + " ".join(f"{a:>16}" for a in algos)
-                  + f" {'ring/library':>13} {'naive/ring':>11} {'ring_busbw':>11}")
+                  + f" {'plain/library':>13} {'pipelined/library':>17} {'naive/pipelined':>15}"
+                  f" {'pipelined_busbw':>15}")
     rows = []
     for nbytes in args.size_list:
         numel = max(nbytes // esize, 1)
@@ -441,19 +490,20 @@ def time_all(args, d, algos: dict) -> list[dict]:
         # Every number of this table is a timing: printed with a leading ~ (see the header).
         report.print0(f"{human(numel * esize):>6} "
                       + " ".join(f"{approx(v / 1e3, '.3f'):>16}" for v in t.values())
-                      + f" {approx(t['ring'] / t['library'], '.2f'):>13}"
-                      f" {approx(t['naive'] / t['ring'], '.2f'):>11}"
-                      f" {approx(busbw['ring'], '.3f'):>11}")
+                      + f" {approx(t['plain_ring'] / t['library'], '.2f'):>13}"
+                      f" {approx(t['pipelined_ring'] / t['library'], '.2f'):>17}"
+                      f" {approx(t['naive'] / t['pipelined_ring'], '.2f'):>15}"
+                      f" {approx(busbw['pipelined_ring'], '.3f'):>15}")
     return rows
 
 
 def run(args, d) -> bool:
     """Check, then time; rank 0 writes --json-out. True when every check passed."""
-    # The ring with --segment; the other three as defined above.
-    algos = dict(ALGORITHMS, ring=partial(ring_all_reduce, segment_bytes=args.segment))
+    # The pipelined ring with --segment; the other three as defined above.
+    algos = dict(ALGORITHMS, pipelined_ring=partial(ring_all_reduce, segment_bytes=args.segment))
     segments = human(args.segment) if args.segment else "a chunk"
     report.print0(f"ring_allreduce | world {d.world_size} | device {d.device} | backend "
-                  f"{d.backend} | {args.dtype} | ring segments of {segments}")
+                  f"{d.backend} | {args.dtype} | pipelined ring segments of {segments}")
     checks = check_all(args, d, algos)
     rows = checks + time_all(args, d, algos)
     if d.rank == 0 and args.json_out:
@@ -466,10 +516,10 @@ def run(args, d) -> bool:
 
 
 def write_trace(args, d) -> None:
-    """--trace-out: the traced ring, printed and written by rank 0."""
+    """--trace-out: the traced plain ring, printed and written by rank 0."""
     if d.world_size > 12:  # (n+1)^(n-1) * n must stay exact in float64
         cli.fail(f"--trace-out traces at most 12 ranks, not {d.world_size}")
-    trace = trace_ring(args.trace_numel, d, args.segment)
+    trace = trace_ring(args.trace_numel, d)
     print_trace(trace)
     if d.rank == 0:
         report.write_json(args.trace_out, trace)
@@ -503,12 +553,13 @@ def parse_args(argv=None):
                    help="comma-separated message sizes in bytes (K/M/G suffixes) to time")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--segment", default="4M",
-                   help="pipeline segment of the ring's reduce-scatter (bytes, K/M suffixes); "
-                        "0: no pipelining")
+                   help="segment of the pipelined ring's reduce-scatter (bytes, K/M "
+                        "suffixes); 0: whole chunks, as the plain ring")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per size")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size")
     p.add_argument("--trace-out", type=Path,
-                   help="instead of the checks and timings, run the ring once on --trace-numel "
+                   help="instead of the checks and timings, run the plain ring once on "
+                        "--trace-numel "
                         "elements, print what every rank sends and holds after each step, and "
                         "write it as JSON here (rank 0); figures/ring_figure.py draws it")
     p.add_argument("--trace-numel", type=int, default=10,

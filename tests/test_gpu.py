@@ -1,6 +1,7 @@
 """The GPU tier: what only a CUDA GPU can show, run with `python -m pytest -m gpu tests`.
 
-On a machine without CUDA every test here is skipped with the reason shown. With one GPU:
+On a machine without CUDA every GPU test here is skipped with the reason shown (one test of the
+GPU table's lookup runs on any machine). With one GPU:
 
   * every training script of the course at world 1 on CUDA (bf16 where the script has a
     precision flag; gloo-only scripts aside), a few steps: it must finish, train on the GPU and
@@ -29,9 +30,14 @@ from conftest import (REPO, all_documented_commands, load_script, read_json, run
                       run_torchrun)
 from test_launchers import TRAINING_SCRIPTS
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+NO_GPU = pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="no CUDA GPU on this machine: the GPU tier runs where one is (pytest -m gpu tests)")]
+    reason="no CUDA GPU on this machine: the GPU tier runs where one is (pytest -m gpu tests)")
+
+
+def gpu(test):
+    """A test of the GPU tier: marked gpu (pytest -m gpu selects it), skipped without CUDA."""
+    return pytest.mark.gpu(NO_GPU(test))
 
 # The launches see the GPUs: the suite's launch helpers hide them (CUDA_VISIBLE_DEVICES="") so that
 # the CPU tier proves the CPU path.
@@ -50,6 +56,7 @@ BF16 = {"01-ddp-basics/ddp_training.py": ["--precision", "bf16"],
         "03-deepspeed/deepspeed_train.py": ["--precision", "bf16"]}
 
 
+@gpu
 @pytest.mark.parametrize("script,args", TRAINING_SCRIPTS, ids=[s for s, _ in TRAINING_SCRIPTS])
 def test_training_script_runs_on_one_gpu(tmp_path, script, args):
     if re.search(r"^GLOO_ONLY = ", (REPO / script).read_text(), flags=re.M):
@@ -72,6 +79,7 @@ DEMOS = ["01-ddp-basics/collectives_primer.py", "01-ddp-basics/ddp_internals.py"
          "02-fsdp/dtensor_primer.py"]
 
 
+@gpu
 @pytest.mark.parametrize("script", DEMOS)
 def test_demo_script_runs_on_one_gpu(tmp_path, script):
     out = tmp_path / "r.json"
@@ -102,6 +110,7 @@ CUDA_COMMANDS = sorted({(str(doc.relative_to(REPO)), c) for doc, c in all_docume
                         if "--device cuda" in c})
 
 
+@gpu
 @pytest.mark.parametrize("doc,command", CUDA_COMMANDS, ids=[f"{d}::{c[:70]}"
                                                             for d, c in CUDA_COMMANDS])
 def test_documented_cuda_command_runs(doc, command):
@@ -110,6 +119,7 @@ def test_documented_cuda_command_runs(doc, command):
     run_readme_command(command, timeout=300, env=GPUS)
 
 
+@gpu
 def test_ddp_peak_memory_beside_the_estimator(tmp_path):
     """The estimator's prediction for this model and batch is printed beside the measured peak
     (for the README); asserted is only what must hold on any GPU: the peak holds at least the
@@ -132,6 +142,7 @@ def test_ddp_peak_memory_beside_the_estimator(tmp_path):
     assert peak >= predicted["params_bytes"] + predicted["grads_bytes"] + predicted["optim_bytes"]
 
 
+@gpu
 def test_fsdp_transformer_tokens_per_s_and_mfu(tmp_path):
     metrics = tmp_path / "m.json"
     run_torchrun("02-fsdp/fsdp_transformer.py", "--steps", "20", "--strategy", "full",
@@ -144,11 +155,46 @@ def test_fsdp_transformer_tokens_per_s_and_mfu(tmp_path):
     assert m["mfu"] is None or 0 < m["mfu"] < 1  # None: a GPU whose peak the script does not know
 
 
-# HBM bandwidth from NVIDIA's data sheets (GB/s), the most specific name first.
-HBM_GBPS = [("H100 PCIe", 2000), ("H100 NVL", 3900), ("H200", 4800), ("H100", 3350),
-            ("A100-SXM4-80GB", 2039), ("A100", 1555)]
+# HBM bandwidth (GB/s) from NVIDIA's data sheets, by the exact name torch.cuda.get_device_name()
+# gives. Exact names, not substrings: "A100" is in "NVIDIA A100 80GB PCIe" (1,935 GB/s, not 1,555)
+# and "H200" in "NVIDIA GH200 480GB" (4,000, not 4,800); a MIG slice ("... MIG 1g.10gb") has a share
+# of the bandwidth and matches nothing. A name not listed skips the comparison.
+HBM_GBPS = {
+    "Tesla V100-SXM2-16GB": 900, "Tesla V100-SXM2-32GB": 900,      # V100 data sheet: 900 GB/s
+    "Tesla V100-PCIE-16GB": 900, "Tesla V100-PCIE-32GB": 900,
+    "NVIDIA A100-SXM4-40GB": 1555, "NVIDIA A100-PCIE-40GB": 1555,  # A100 data sheet: 40GB 1,555,
+    "NVIDIA A100-SXM4-80GB": 2039, "NVIDIA A100 80GB PCIe": 1935,  # 80GB SXM 2,039, PCIe 1,935
+    "NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100 PCIe": 2000,       # H100 data sheet: SXM 3.35 TB/s,
+    "NVIDIA H100 NVL": 3900,                                       # PCIe 2 TB/s, NVL 3.9 TB/s
+    "NVIDIA H200": 4800, "NVIDIA H200 NVL": 4800,                  # H200: 4.8 TB/s (SXM and NVL)
+    "NVIDIA GH200 480GB": 4000,                                    # GH200 with 96 GB HBM3: 4 TB/s
+}
 
 
+def hbm_peak(name: str) -> int | None:
+    """The data sheet's HBM bandwidth of the GPU called `name` (GB/s), None if not in the table."""
+    return HBM_GBPS.get(name.strip())
+
+
+def test_hbm_table_picks_each_gpus_own_entry():
+    """Runs without a GPU: every name the table lists finds its own figure, and names that
+    contain a listed one (or are contained in one) do not borrow its figure."""
+    for name, peak in HBM_GBPS.items():
+        assert hbm_peak(name) == peak, name
+    assert hbm_peak("NVIDIA A100 80GB PCIe") == 1935      # "A100" alone would give 1,555
+    assert hbm_peak("NVIDIA A100-SXM4-40GB") == 1555
+    assert hbm_peak("NVIDIA GH200 480GB") == 4000         # "H200" alone would give 4,800
+    assert hbm_peak("NVIDIA H200") == 4800
+    assert hbm_peak("NVIDIA H100 80GB HBM3") == 3350
+    assert hbm_peak("NVIDIA H100 PCIe") == 2000           # "H100" alone would give 3,350
+    assert hbm_peak("NVIDIA H100 NVL") == 3900
+    for other in ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "NVIDIA H100 80GB HBM3 MIG 3g.40gb",
+                  "NVIDIA GH200 144G HBM3e", "NVIDIA H800", "NVIDIA A10", "NVIDIA L40S",
+                  "Tesla V100S-PCIE-32GB", "NVIDIA B200", "H100", "A100"):
+        assert hbm_peak(other) is None, other
+
+
+@gpu
 def test_ddp_built_in_allreduce_is_counted_on_cuda(tmp_path):
     """fsdp_transformer.py's DDP strategy runs DDP's own all-reduce (no comm hook) and counts it
     at the dispatcher. On the CPU the reducer launches it from the thread that runs backward; on
@@ -164,6 +210,7 @@ def test_ddp_built_in_allreduce_is_counted_on_cuda(tmp_path):
     assert run["comms_per_step"]["all_reduce"]["tensor_bytes"] == 4 * params, run["comms_per_step"]
 
 
+@gpu
 def test_hbm_copy_bandwidth():
     """A device-to-device copy reads and writes every byte: 2 x size / time. A copy reaches most
     of the data sheet's bandwidth (typically 80-90%): asserted between half of it and all of it,
@@ -180,7 +227,7 @@ def test_hbm_copy_bandwidth():
     end.record()
     torch.cuda.synchronize()
     gbps = 10 * 2 * x.numel() * x.element_size() / (start.elapsed_time(end) / 1e3) / 1e9
-    peak = next((v for k, v in HBM_GBPS if k in name), None)
+    peak = hbm_peak(name)
     print(f"\n{name}: HBM copy {gbps:,.0f} GB/s (data sheet: {peak or 'not in the table'})")
     if peak is None:
         pytest.skip(f"{name} is not in HBM_GBPS: measured {gbps:,.0f} GB/s, nothing to compare")
