@@ -325,9 +325,9 @@ def test_zeropp_hpz_gathers_backward_within_the_group_and_equals_one_process(ref
     """ZeRO++ hpZ at world 4 with zero_hpz_partition_size 2: the step's first all-gather
     (forward) over the 4 ranks (3/4 of the parameter bytes sent per rank), backward's over the
     pair (1/2), from a secondary partition of P/2 parameters per rank; reduce-scatter as
-    ZeRO-3's. The README's command,
+    ZeRO-3's. The command of zeropp.md (the lesson's ZeRO++ page),
     whose global batch (4 x 2) is the reference's 8: the same model as one process."""
-    assert readme_mentions(LESSON / "README.md", HPZ)
+    assert readme_mentions(LESSON / "zeropp.md", HPZ)
     run_readme_command(HPZ, timeout=LAUNCH_TIMEOUT)
     metrics = read_json(REPO / "runs/03-deepspeed/hpz.json")
     P, N, S = 110_208, 4, 2
@@ -453,9 +453,9 @@ def test_readme_shows_the_launch_commands():
         # (not the whole commands: test_readmes.py runs those and checks their quoted outputs)
         "--nproc_per_node=2 03-deepspeed/zero_from_scratch.py",
         "--num_gpus 2 03-deepspeed/zero_offload.py",
-        "03-deepspeed/deepspeed_inference.py --weights",
     ]:
         assert readme_mentions(readme, command), command
+    assert readme_mentions(LESSON / "inference.md", "03-deepspeed/deepspeed_inference.py --weights")
     configs = json.loads((LESSON / "configs" / "zero3_nvme_offload_config.json").read_text())
     assert "CHANGE_ME" in configs["zero_optimization"]["offload_param"]["nvme_path"]
 

@@ -32,6 +32,7 @@ from conftest import (
 )
 
 README_03 = REPO / "03-deepspeed" / "README.md"
+INFERENCE_03 = REPO / "03-deepspeed" / "inference.md"  # exercise 6's solution
 README_04 = REPO / "04-nccl-operations" / "README.md"
 TIMEOUT = 240  # a DeepSpeed launch takes ~15 CPU seconds, minutes on a crowded 2-core machine
 
@@ -236,9 +237,9 @@ def test_03_ex5_bucketed_stage2_equals_the_lesson_and_plain_adamw_with_fewer_red
 
 
 def test_03_ex6_after_400_steps_the_model_continues_the_prompts_with_their_strides():
-    run_documented(README_03, EX6_03_TRAIN, "runs/03-deepspeed/model_400.pt")
-    run_documented(README_03, EX6_03_INFER)
-    run_documented(README_03, EX6_03_STRIDES, "runs/03-deepspeed/ex6_strides.json")
+    run_documented(INFERENCE_03, EX6_03_TRAIN, "runs/03-deepspeed/model_400.pt")
+    run_documented(INFERENCE_03, EX6_03_INFER)
+    run_documented(INFERENCE_03, EX6_03_STRIDES, "runs/03-deepspeed/ex6_strides.json")
     data = read_json(REPO / "runs/03-deepspeed/ex6_strides.json")
     prompts = data["prompts"]
     assert len(prompts) == 8
