@@ -6,10 +6,11 @@ Costs are kept down by sharing launches: one sweep launch of 4 ranks measures ev
 implementation, schedule and micro-batch count at p = 2 and p = 4 (the README's sweep command with
 a short list), and one worker launch of 4 ranks computes the same configurations' gradients, and
 those of the two zero-bubble schedules (whose other tests are in test_05b_zero_bubble.py); one
-MoE launch and one first-step worker launch per world size serve the equivalence and training
-checks; one ring launch and one worker launch of 4 ranks run rings of 2, 3 and 4 with both masks
-and two uneven lengths. The workers (tests/workers_05b/) import the lesson scripts and save the
-tensors a test needs, which the scripts themselves do not write.
+launch per world size serves the MoE equivalence and training checks; one launch of 4 ranks runs
+rings of 2, 3 and 4 with both masks and two uneven lengths. The workers (tests/workers_05b/)
+import the lesson scripts and save the tensors a test needs, which the scripts themselves do not
+write; the MoE and ring workers then call the script's own training or measuring function (what
+its main() runs once the group is up) with the same flags, in the same group.
 """
 
 import math
@@ -381,8 +382,9 @@ MOE_STEPS = 4
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
-    """Per world size: the script's training run (export, metrics) and the worker's first step
-    through the script's own code (weights, tokens, MoE outputs, drops, gradients)."""
+    """Per world size, one launch of the worker: the first step through the script's own code
+    (weights, tokens, MoE outputs, drops, gradients), then the script's training run (export,
+    metrics)."""
     out = tmp_path_factory.mktemp("moe")
     runs = {}
     for world in (1, 2, 4):
@@ -390,12 +392,11 @@ def moe_runs(tmp_path_factory):
         batch = ["--batch-size", MOE_TOKENS // world]
         args = ["--steps", MOE_STEPS, *batch, "--export", files["pt"], "--metrics-out",
                 files["json"]]
-        worker = [f"{WORKERS}/moe_first_step.py", files["check"], *batch]
+        # the first step's check, then the script's train() with the same flags, in one launch
+        worker = [f"{WORKERS}/moe_first_step.py", files["check"], *args]
         if world == 1:
-            run_python(MOE, *args)  # every expert in one process; the all-to-alls are identities
-            run_python(*worker)
+            run_python(*worker)  # every expert in one process; the all-to-alls are identities
         else:
-            run_torchrun(MOE, *args, nproc=world)
             run_torchrun(*worker, nproc=world)
         runs[world] = {"export": load_export(files["pt"]), "metrics": read_json(files["json"]),
                        "check": torch.load(files["check"], weights_only=True)}
@@ -488,11 +489,11 @@ RING_LENS = (37, 50)  # 37 splits unevenly over 2, 3 and 4 ranks, 50 over 3 and 
 @pytest.fixture(scope="module")
 def ring_run(tmp_path_factory):
     """Rings of 2, 3 and 4 ranks in one launch of 4 (a ring of W runs on ranks 0..W-1): the
-    script's measurements (JSON), and the worker's tensors of the same cases."""
+    worker's tensors of the cases, then the script's run() of the same cases (JSON)."""
     out = tmp_path_factory.mktemp("ring")
     cases = ["--ring-sizes", "2,3,4", "--seq-lens", ",".join(map(str, RING_LENS))]
-    run_torchrun(RING, *cases, "--repeats", "1", "--json-out", out / "ring.json", nproc=4)
-    run_torchrun(f"{WORKERS}/ring_cases.py", out / "check.pt", *cases, nproc=4)
+    run_torchrun(f"{WORKERS}/ring_cases.py", out / "check.pt", *cases, "--repeats", "1",
+                 "--json-out", out / "ring.json", nproc=4)
     return torch.load(out / "check.pt", weights_only=True), read_json(out / "ring.json")
 
 

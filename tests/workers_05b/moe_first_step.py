@@ -2,7 +2,10 @@
 the first training step of expert_parallel.py, through the script's own build() and
 forward_backward(), with the script's flags. Rank 0 saves what a one-process MoE must reproduce:
 the consolidated initial weights, the tokens of every rank, the MoE layer's outputs, which
-(token, choice) assignments were dropped, and the consolidated gradients.
+(token, choice) assignments were dropped, and the consolidated gradients. Then, in the same group,
+the script's own training run with the same flags (its train(), all that its main() does once the
+group is up: --steps, --export, --metrics-out), which starts again from the seed: one launch serves
+both checks.
 
     python tests/workers_05b/moe_first_step.py OUT.pt [expert_parallel.py flags]
 """
@@ -40,6 +43,7 @@ def main():
                 merged[key] = torch.cat([part[key] for part in parts])
             torch.save(merged, out)
         dist.barrier()
+        moe.train(args, d)  # build() seeds again: the same initial weights as a fresh launch
 
 
 if __name__ == "__main__":

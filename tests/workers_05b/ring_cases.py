@@ -2,10 +2,12 @@
 attention of ring_attention.py, with and without overlap, for every ring size W (on ranks 0..W-1,
 the others waiting), sequence length T and mask. Rank 0 saves, keyed 'W{W}/T{T}/{full|causal}',
 the inputs of the whole sequence (q, k, v and the upstream gradient dout), the ring's output and
-q, k, v gradients gathered from the ranks, and the same four without overlap ('plain').
+q, k, v gradients gathered from the ranks, and the same four without overlap ('plain'). Then, in
+the same group, the script's own measurement of the same cases with the same flags (its run(), all
+that its main() does once the group is up: --repeats, --json-out): one launch serves both checks.
 
     torchrun --nproc_per_node=4 tests/workers_05b/ring_cases.py OUT.pt --ring-sizes 2,3,4 \
-        --seq-lens 37,50
+        --seq-lens 37,50 [--repeats 1 --json-out RING.json]
 """
 
 import importlib.util
@@ -52,6 +54,7 @@ def main():
         if d.rank == 0:
             torch.save(checks, out)
         dist.barrier()
+        ring_attention.run(args, d)
 
 
 if __name__ == "__main__":
