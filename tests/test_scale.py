@@ -7,7 +7,7 @@
   inherits only through SRUN_CPUS_PER_TASK since Slurm 22.05), and without that export only one.
 - Elastic: `torchrun --max-restarts 1` with an injected failure ends with the uninterrupted model.
 - Lessons 02 and 03: their sbatch files and their elastic restarts end with the same weights as an
-  uninterrupted torchrun run.
+  uninterrupted torchrun run (03's job file preempted and requeued: test_03_launch_export.py).
 - Peer death: SIGKILL of one rank makes the other exit non-zero within --timeout-s (+ margin), for
   DDP and FSDP.
 - Checkpoint atomicity: SIGKILL at random points of a run that checkpoints every step never leaves
@@ -221,8 +221,9 @@ def lesson(request, tmp_path_factory):
 
 
 def test_sbatch_of_lessons_02_and_03_equals_torchrun(slurm, tmp_path, lesson):
-    """02's job file (one torchrun per node) and 03's (one deepspeed launcher per node, --no_ssh,
-    a hostfile built from the allocation) with 2 ranks on the test cluster's node."""
+    """02's job file (one torchrun per node) and 03's (srun starts every rank, no deepspeed
+    launcher) with 2 ranks on the test cluster's node. 03's preemption:
+    test_03_launch_export.py."""
     name, script, args, job_file, reference = lesson
     assert readme_mentions(REPO / DOCUMENTED[name][0], DOCUMENTED[name][1])
     out = tmp_path / "sbatch.pt"
