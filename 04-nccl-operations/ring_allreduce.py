@@ -25,10 +25,11 @@ divide numel, and every step moves one whole chunk:
     n = 3, after the reduce-scatter ("abc" = a+b+c of that chunk):
         rank 0: [ c0, c1=abc, c2 ]   rank 1: [ c0, c1, c2=abc ]   rank 2: [ c0=abc, c1, c2 ]
 
-Every step each rank sends one chunk and receives one chunk at the same time, so every link of the
-ring is busy in both directions in both phases. Each rank sends 2(n-1) chunks of S/n bytes:
-2(n-1)/n * S in each direction, which tends to 2S whatever n is - this is why a ring's bandwidth
-does not fall as ranks are added, and where nccl-tests' bus-bandwidth factor 2(n-1)/n comes from.
+Every step each rank sends one chunk and receives one chunk at the same time, so every rank's link
+is busy in both directions (out to the right, in from the left) in both phases. Each rank sends
+2(n-1) chunks of S/n bytes: 2(n-1)/n * S in each direction, which tends to 2S whatever n is - this
+is why a ring's bandwidth does not fall as ranks are added, and where nccl-tests' bus-bandwidth
+factor 2(n-1)/n comes from.
 The naive algorithm (send all to rank 0, add, send the result back) puts (n-1) * S on rank 0's
 link in each direction (n-1 tensors in, then n-1 out): that link is the bottleneck, and the time
 grows linearly with n.
