@@ -81,6 +81,12 @@ def where_is_everything(engine, config) -> dict:
     # `self.device`, "cpu" when the optimizer is offloaded; stages 1-2 with offload copy each
     # reduced gradient straight into the master's .grad on the host (and accumulate micro-steps
     # in `accumulated_grads_in_cpu`, host buffers), leaving no partition on the device.
+    # Stages 1-2 with offload also allocate, in stage_1_and_2.py's __init__: a pinned host buffer
+    # of the working dtype the size of the partition (`param_buffer_of_bit16_for_cpu_offload_
+    # groups`: the step writes the updated master into it, then copies it to the device), and
+    # two gradient buffers the size of the largest parameter, of the working dtype, one pinned
+    # in host memory (`temp_grad_buffer_for_cpu_offload`) and one on the device
+    # (`temp_grad_buffer_for_gpu_offload`).
     if hasattr(zero, "fp32_partitioned_groups_flat"):  # stage 3
         master = list(zero.fp32_partitioned_groups_flat)
         weights = list(zero.fp16_partitioned_groups_flat)  # this rank's partition only
@@ -94,18 +100,58 @@ def where_is_everything(engine, config) -> dict:
     moments = [t for t in report.optimizer_tensors(adam) if t.dim()]  # not the step counters
     return {
         "weights (working copy)": (report.tensor_bytes(weights), weights_home),
+        "weights, host copy": (report.tensor_bytes(
+            getattr(zero, "param_buffer_of_bit16_for_cpu_offload_groups", [])), "host"),
         "gradient partition": (report.tensor_bytes(grads), opt_home),
+        "largest-param grad, host": (report.tensor_bytes(
+            [getattr(zero, "temp_grad_buffer_for_cpu_offload", None)]), "host"),
+        "largest-param grad, dev.": (report.tensor_bytes(
+            [getattr(zero, "temp_grad_buffer_for_gpu_offload", None)]), "device"),
         "fp32 master partition": (report.tensor_bytes(master), opt_home),
         "fp32 gradient of master": (report.tensor_bytes([m.grad for m in master]), opt_home),
         "Adam moments": (report.tensor_bytes(moments), opt_home),
     }
 
 
+def storages(tensors) -> set:
+    """The memory blocks the tensors live in (one per storage), None and empty ones left out."""
+    return {t.untyped_storage().data_ptr() for t in tensors if torch.is_tensor(t) and t.numel()}
+
+
+def gathered_bytes(model) -> int:
+    """Stage 3: bytes of full parameters gathered on this rank now. A partitioned parameter's
+    .data is an empty tensor until its layer gathers it (its own partition is `ds_tensor`)."""
+    return sum(p.data.numel() * p.data.element_size() for p in model.parameters()
+               if hasattr(p, "ds_tensor"))
+
+
+class StepCopies:
+    """The gradient copy the optimizer step makes: stages 1-3 without offload flatten the
+    gradient partition into a new tensor of the master's dtype (fp32) and hang it on the master
+    as .grad for the step (stage_1_and_2.py's step, stage3.py's _prepare_fp32_grad_for_sub_group);
+    with offload the master's .grad is a host buffer kept from step to step. A pre-hook on the
+    inner optimizer's step sees every .grad it steps with; the bytes of those whose memory is
+    none of the buffers the census counted are the step's own copy (the most at one call: each
+    group's copy is freed before the next group's step). It also notes the stage-3 parameters
+    still gathered while the step runs (none: backward released them)."""
+
+    def __init__(self, adam, model):
+        self.known, self.most, self.gathered, self.model = set(), 0, 0, model
+        self.handle = adam.register_step_pre_hook(self.hook)
+
+    def hook(self, optimizer, args, kwargs):
+        fresh = [p.grad for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None and p.grad.untyped_storage().data_ptr() not in self.known]
+        self.most = max(self.most, report.tensor_bytes(fresh))
+        self.gathered = max(self.gathered, gathered_bytes(self.model))
+
+
 def metrics_bytes(census: dict) -> dict:
     """The census in the per_rank terms of every script's metrics."""
     b = {kind: nbytes for kind, (nbytes, _) in census.items()}
-    return {"param_bytes": b["weights (working copy)"],
-            "grad_bytes": b["gradient partition"] + b["fp32 gradient of master"],
+    return {"param_bytes": b["weights (working copy)"] + b["weights, host copy"],
+            "grad_bytes": b["gradient partition"] + b["fp32 gradient of master"]
+            + b["largest-param grad, host"] + b["largest-param grad, dev."],
             "optim_bytes": b["fp32 master partition"] + b["Adam moments"],
             "host_bytes": sum(nbytes for nbytes, home in census.values() if home == "host")}
 
@@ -116,7 +162,9 @@ def metrics_bytes(census: dict) -> dict:
 
 def train_one(path: Path, config: dict, args, d, deepspeed) -> dict:
     """A few steps of one config; returns this rank's measurements (and exports on rank 0)."""
-    precision = "bf16" if d.device.type == "cuda" else "fp32"  # fp32 on CPU, as deepspeed_train
+    precision = args.precision
+    if precision == "auto":  # fp32 on CPU, as deepspeed_train.py
+        precision = "bf16" if d.device.type == "cuda" else "fp32"
     config = {**config, "train_micro_batch_size_per_gpu": args.batch_size,
               "gradient_accumulation_steps": 1, "train_batch_size": args.batch_size * d.world_size,
               "bf16": {"enabled": precision == "bf16"}}
@@ -128,17 +176,28 @@ def train_one(path: Path, config: dict, args, d, deepspeed) -> dict:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    t0, census, losses = None, None, []
+    t0, census, losses, gathered = None, None, [], 0
+    copies = StepCopies(engine.optimizer.optimizer, model)
     for step in range(args.steps):
         if step == 1:
             t0 = time.perf_counter()
+        last = step == args.steps - 1
         x, y = batch(args.seed, step, args.batch_size * d.world_size, args.width)
         rows = slice(d.rank * args.batch_size, (d.rank + 1) * args.batch_size)
         out = engine(x[rows].to(d.device, dtype))
+        if last:  # stage 3: what forward left gathered for backward (stage3_max_reuse_distance)
+            gathered = gathered_bytes(model)
         loss = F.mse_loss(out.float(), y[rows].to(d.device))
         engine.backward(loss)
-        if step == args.steps - 1:  # gradients complete, not yet consumed by the step
+        if last:  # gradients complete, not yet consumed by the step
             census = where_is_everything(engine, config)
+            zero = engine.optimizer
+            copies.known = storages(
+                [m.grad for m in getattr(zero, "single_partition_of_fp32_groups", None)
+                 or zero.fp32_partitioned_groups_flat]
+                + [getattr(zero, "grad_partitions_flat_buffer", None)]
+                + list(getattr(zero, "accumulated_grads_in_cpu", {}).values()))
+            copies.most = copies.gathered = 0
         engine.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # the loss over the global batch
@@ -147,7 +206,10 @@ def train_one(path: Path, config: dict, args, d, deepspeed) -> dict:
     if args.export:
         export(engine, model, deepspeed, args, path.stem, d)
     engine.destroy()
+    copies.handle.remove()
+    transient = {"gathered after forward": gathered, "fp32 gradient copy in step": copies.most}
     return {"config": path.stem, "stage": stage, "precision": precision, "census": census,
+            "transient": transient, "gathered_in_step_bytes": copies.gathered,
             "step_s": step_s, "losses": losses}
 
 
@@ -186,7 +248,8 @@ def run(args, d, deepspeed) -> None:
         mine = train_one(path, config, args, d, deepspeed)
         est_device, est_host = estimate(n_params, largest, d.world_size, config, mine["stage"])
         held = {**metrics_bytes(mine["census"]), "peak_bytes": report.peak_bytes(d.device),
-                "census": mine["census"]}
+                "census": mine["census"], "transient": mine["transient"],
+                "gathered_in_step_bytes": mine["gathered_in_step_bytes"]}
         results.append({**mine, "per_rank": report.gather(held),
                         "estimate_device_bytes": est_device, "estimate_host_bytes": est_host})
     if d.rank == 0:
@@ -224,6 +287,10 @@ def print_table(args, d, n_params: int, results: list) -> None:
     for label, key in (("DeepSpeed estimate device", "estimate_device_bytes"),
                        ("DeepSpeed estimate host", "estimate_host_bytes")):
         print(f"{label:26}" + "".join(f"{r[key]:>11,}{'':7}" for r in results))
+    # Bytes that exist only for part of a step, on the device (not in the totals above)
+    for kind in results[0]["transient"]:
+        print(f"{kind:26}" + "".join(f"{r['transient'][kind]:>11,} {'device':<6}"
+                                     for r in results))
     # ~: a timing, on whatever else the machine runs
     print(f"{'seconds per step':26}" + "".join(f"{'~' + format(r['step_s'], '.3f'):>11}{'':7}"
                                                for r in results))
@@ -257,6 +324,8 @@ def parse_args(argv=None):
     p.add_argument("--configs", nargs="+", default=CONFIGS,
                    help="config names in 03-deepspeed/configs/ (or paths)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per config")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: bf16 on CUDA, fp32 on CPU (bf16 runs on a CPU too, slowly)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
     p.add_argument("--layers", type=int, default=4, help="Linear layers of the MLP")
     p.add_argument("--width", type=int, default=256)

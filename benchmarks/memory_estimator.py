@@ -106,9 +106,11 @@ def held_elements(P: int, N: int, S: int, shapes, rank: int, exact: bool) -> dic
 
 
 def model_states(P: int, N: int, strategy: str, precision: str, accounting: str, *, S: int,
-                 shapes=None, rank: int = 0, tensors: int = 0, grad_accum: int = 1) -> dict:
+                 shapes=None, rank: int = 0, tensors: int = 0, grad_accum: int = 1,
+                 largest: int = 0) -> dict:
     """Bytes of weights, gradients and optimizer state on the device, and what offload keeps in
-    host memory, for one rank. W = bytes of a working weight or gradient element."""
+    host memory, for one rank. W = bytes of a working weight or gradient element; largest = the
+    element count of the largest parameter tensor (0: unknown)."""
     W = 2 if precision == "mixed" else 4
     library = accounting == "library"
     group = S if strategy == "fsdp-hybrid" else N  # ranks one FSDP replica is sharded over
@@ -146,12 +148,18 @@ def model_states(P: int, N: int, strategy: str, precision: str, accounting: str,
         elif strategy == "zero3":
             dev.update(params=W * part, grads=W * part, optim=12 * part)
         elif strategy == "zero2-offload":  # reduced grads go straight into the host fp32 buffer
-            dev["params"] = W * e["flat"]
+            # stage_1_and_2.py's __init__ with offload_optimizer also allocates: a pinned host
+            # copy of the weight partition in the working dtype (`param_buffer_of_bit16_for_cpu_
+            # offload_groups`: the step writes the new master into it, then copies it to the
+            # device), and two gradient buffers of the working dtype the size of the largest
+            # parameter, one pinned on the host (`temp_grad_buffer_for_cpu_offload`), one on the
+            # device (`temp_grad_buffer_for_gpu_offload`). Host: (W + 16) P/N + W x largest.
+            dev.update(params=W * e["flat"], grads=W * largest)
             # With gradient accumulation DeepSpeed also keeps, in host memory and from step to
             # step, whole W-byte gradients of the parameters overlapping the partition
             # (`accumulated_grads_in_cpu` in stage_1_and_2.py).
             buffers = W * e["overlap"] if grad_accum > 1 else 0
-            host.update(grads=4 * part + buffers, optim=12 * part)
+            host.update(params=W * part, grads=4 * part + buffers + W * largest, optim=12 * part)
         else:
             # zero3-offload: with offload_optimizer, DeepSpeed allocates the gradient partition
             # buffer in host memory (stage3.py), beside the fp32 gradient the CPU optimizer
@@ -178,25 +186,56 @@ def activation_bytes(precision: str, layers, hidden, heads, seq_len, batch_size,
     return layers * per_layer
 
 
+def transient_bytes(P: int, N: int, strategy: str, precision: str, accounting: str, *,
+                    shapes=None, rank: int = 0, layers=None, reuse_distance=1e9) -> float:
+    """Device bytes that exist for part of a step only (the most at any one moment).
+
+    Paper: gathered parameters. grad-op keeps the whole model from forward to backward; the
+    per-layer strategies hold the layer in use + one prefetched (when the layer count is known).
+    Library, DeepSpeed (measured by 03-deepspeed/zero_offload.py, the tests compare):
+    - without offload, the optimizer step of every stage flattens the gradient partition into a
+      new fp32 tensor, the master's .grad during the step (`stage_1_and_2.py` step,
+      `stage3.py` _prepare_fp32_grad_for_sub_group): 4 bytes per partition element, in fp32 and
+      in mixed precision (a W-byte flattened copy it is cast from lives for an instant before,
+      not counted); with offload the master's .grad is a host buffer kept from step to step;
+    - ZeRO-3 keeps a parameter gathered after forward when its next use (in backward) comes
+      within `stage3_max_reuse_distance` R elements (1e9 in the course's configs). The next use of
+      the element x elements from the end of the model is about 2x elements away, so at the end
+      of forward the last R/2 elements are still gathered: W x min(P, R/2) (the whole model of
+      the lessons, measured; above R/2 an estimate to the granularity of a module). Backward
+      has released them by the time the step makes its copy: the most of the two.
+    FSDP2 in library accounting: as the paper."""
+    W = 2 if precision == "mixed" else 4
+    if accounting == "library" and strategy.startswith("zero"):
+        part = held_elements(P, N, N, shapes, rank, exact=True)[
+            "zero3" if strategy.startswith("zero3") else "part12"]
+        copy = 0 if strategy.endswith("offload") else 4 * part
+        gathered = W * min(P, reuse_distance / 2) if strategy.startswith("zero3") else 0
+        return max(copy, gathered)
+    if strategy == "fsdp-grad-op":
+        return W * P
+    if strategy in SHARDS_PARAMS and layers:
+        return 2 * W * P / layers
+    return 0.0
+
+
 def estimate(params: int, world: int, strategy: str, precision: str = "fp32",
              accounting: str = "paper", *, shard_size=None, shapes=None, rank: int = 0,
              tensors=None, layers=None, hidden=None, heads=None, seq_len=None, batch_size=None,
-             activation_checkpointing: bool = False, grad_accum: int = 1) -> dict:
+             activation_checkpointing: bool = False, grad_accum: int = 1,
+             largest_param=None, reuse_distance=1e9) -> dict:
     """Per-rank bytes with the keys of --json-out (params/grads/optim are on the GPU)."""
     S = shard_size or math.gcd(world, 8)  # one node of 8 GPUs when the world allows it
     if tensors is None:
         tensors = len(shapes) if shapes else 0
+    if largest_param is None:
+        largest_param = max(math.prod(s) for s in shapes) if shapes else 0
     states = model_states(params, world, strategy, precision, accounting, S=S, shapes=shapes,
-                          rank=rank, tensors=tensors, grad_accum=grad_accum)
+                          rank=rank, tensors=tensors, grad_accum=grad_accum,
+                          largest=largest_param)
     dev, host = states["device"], states["host"]
-    W = 2 if precision == "mixed" else 4
-    # Gathered parameters that exist only for a while: grad-op keeps the whole model from
-    # forward to backward; the per-layer strategies hold the layer in use + one prefetched.
-    transient = 0.0
-    if strategy == "fsdp-grad-op":
-        transient = W * params
-    elif strategy in SHARDS_PARAMS and layers:
-        transient = 2 * W * params / layers
+    transient = transient_bytes(params, world, strategy, precision, accounting, shapes=shapes,
+                                rank=rank, layers=layers, reuse_distance=reuse_distance)
     act = activation_bytes(precision, layers, hidden, heads, seq_len, batch_size,
                            activation_checkpointing)
     out = {"params_bytes": dev["params"], "grads_bytes": dev["grads"], "optim_bytes": dev["optim"],
@@ -259,6 +298,12 @@ def parse_args(argv=None):
     p.add_argument("--grad-accum", type=int, default=1, help="library: micro-steps per optimizer "
                    "step (above 1, zero2-offload keeps host buffers for the whole gradients of "
                    "the parameters overlapping its partition)")
+    p.add_argument("--largest-param", metavar="N", help="library: elements "
+                   "of the largest parameter tensor, for zero2-offload's two gradient buffers of "
+                   "that size (default: from --shapes, else not counted)")
+    p.add_argument("--reuse-distance", type=float, default=1e9, help="library: ZeRO-3's "
+                   "stage3_max_reuse_distance (default 1e9, the course's configs): the last R/2 "
+                   "parameter elements stay gathered from forward to backward")
     p.add_argument("--layers", type=int, help="transformer layers (activations; presets set it)")
     p.add_argument("--hidden", type=int, help="hidden size h")
     p.add_argument("--heads", type=int, help="attention heads a (default h/128)")
@@ -301,6 +346,14 @@ def parse_args(argv=None):
     if args.shard_size is not None and (args.shard_size < 1 or args.world_size % args.shard_size):
         fail(f"--shard-size {args.shard_size} must be >= 1 and divide --world-size "
              f"{args.world_size}: the mesh is (world / shard-size, shard-size)")
+    if args.largest_param is not None:
+        if args.accounting != "library":
+            fail("--largest-param describes what DeepSpeed holds: add --accounting library")
+        args.largest_param, named = parse_count(args.largest_param)
+        if named or args.largest_param > args.P:
+            fail(f"--largest-param must be a number of elements up to --params {args.P:,}")
+    if args.reuse_distance < 0:
+        fail(f"--reuse-distance must be >= 0, got {args.reuse_distance:g}")
     if args.param_tensors is not None and args.param_tensors < 0:
         fail(f"--param-tensors must be >= 0, got {args.param_tensors}")
     if (args.shape_list or args.param_tensors is not None) and args.accounting != "library":
@@ -332,7 +385,8 @@ def run_estimate(args, strategy: str, rank: int = 0) -> dict:
                     tensors=args.param_tensors, layers=args.layers, hidden=args.hidden,
                     heads=args.heads, seq_len=args.seq_len, batch_size=args.batch_size,
                     activation_checkpointing=args.activation_checkpointing,
-                    grad_accum=args.grad_accum)
+                    grad_accum=args.grad_accum,
+                    largest_param=args.largest_param, reuse_distance=args.reuse_distance)
 
 
 def header(args) -> str:
@@ -412,6 +466,10 @@ def main(argv=None):
     else:
         ests = {s: run_estimate(args, s) for s in strategies}
         print("\n".join(table(list(ests.items()), args.P, in_bytes)))
+        if args.accounting == "library" and "zero2-offload" in strategies \
+                and args.largest_param is None:
+            print("zero2-offload: without --largest-param (or --shapes) its two gradient "
+                  "buffers the size of the largest parameter are not counted")
         if args.compare:
             out["strategies"] = ests
         else:

@@ -82,9 +82,9 @@ def test_library_accounting_is_what_deepspeed_and_fsdp_hold():
     FSDP2 keeps fp32 shards: 16P/N in both precisions, split 4 + 4 + 8 instead of 2 + 2 + 12."""
     P, N = 8_000_000, 4  # divisible by 2N: no flat-buffer padding
 
-    def held(strategy, precision):
+    def held(strategy, precision):  # model states, device and host, without the transients
         e = me.estimate(P, N, strategy, precision, "library")
-        return e["total_bytes"] + e["host_bytes"]
+        return e["total_bytes"] - e["transient_bytes"] + e["host_bytes"]
 
     assert held("zero1", "fp32") == 4 * P + 4 * P + 12 * P / N
     assert held("zero2", "fp32") == 4 * P + 4 * P / N + 12 * P / N
@@ -99,13 +99,36 @@ def test_library_accounting_is_what_deepspeed_and_fsdp_hold():
     assert me.estimate(P, 16, "fsdp-hybrid", "fp32", "library",
                        shard_size=4)["total_bytes"] == 16 * P / 4
     # Offload: the device keeps the working weights (ZeRO-2) or nothing (ZeRO-3, whose gradient
-    # partition DeepSpeed allocates in host memory); in fp32, ZeRO-3's host holds 24P/N (lesson
-    # 03's measured census).
-    z2, z3 = (me.estimate(P, N, s, "mixed", "library") for s in ("zero2-offload", "zero3-offload"))
-    assert (z2["total_bytes"], z2["host_bytes"]) == (2 * P, 16 * P / N)
-    assert (z3["total_bytes"], z3["host_bytes"]) == (0, 20 * P / N)
-    z3_fp32 = me.estimate(P, N, "zero3-offload", "fp32", "library")
-    assert (z3_fp32["total_bytes"], z3_fp32["host_bytes"]) == (0, 24 * P / N)
+    # partition DeepSpeed allocates in host memory) between steps. ZeRO-2's host also keeps a
+    # W-byte copy of the weight partition: 18P/N in bf16, 20P/N in fp32, plus a gradient buffer
+    # the size of the largest parameter on the host and one on the device. ZeRO-3's host holds
+    # 20P/N (bf16) or 24P/N (fp32); its gathered parameters are transient.
+    L = 1_000_000  # the largest parameter's elements
+    for precision, W in (("mixed", 2), ("fp32", 4)):
+        z2 = me.estimate(P, N, "zero2-offload", precision, "library", largest_param=L)
+        assert (z2["params_bytes"], z2["grads_bytes"], z2["transient_bytes"]) == (W * P, W * L, 0)
+        assert z2["host_bytes"] == (16 + W) * P / N + W * L
+        assert z2["host"] == {"params_bytes": W * P / N, "grads_bytes": 4 * P / N + W * L,
+                              "optim_bytes": 12 * P / N}
+        z3 = me.estimate(P, N, "zero3-offload", precision, "library")
+        assert (z3["total_bytes"] - z3["transient_bytes"], z3["host_bytes"]) == \
+            (0, (W + 4 + W + 12) * P / N)
+    # Transients: without offload every stage's optimizer step makes a new fp32 copy of the
+    # gradient partition (4P/N, both precisions); ZeRO-3 (the configs' reuse distance R = 1e9)
+    # keeps the last R/2 parameter elements gathered from forward to backward, the whole of a
+    # model below R/2; these two never coexist, so the column holds the larger.
+    for precision, W in (("mixed", 2), ("fp32", 4)):
+        t = {s: me.estimate(P, N, s, precision, "library")["transient_bytes"]
+             for s in ("zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")}
+        assert t == {"zero1": 4 * P / N, "zero2": 4 * P / N, "zero3": W * P,
+                     "zero2-offload": 0, "zero3-offload": W * P}, (precision, t)
+        big = 7 * 10**9
+        assert me.estimate(big, N, "zero3", precision, "library")["transient_bytes"] == \
+            max(4 * big / N, W * 0.5e9)
+        assert me.estimate(big, N, "zero3-offload", precision, "library",
+                           reuse_distance=0)["transient_bytes"] == 0
+        # the paper's accounting keeps its per-layer gathers
+        assert me.estimate(P, N, "zero3", precision, "paper")["transient_bytes"] == 0
     # ZeRO-2 offload under gradient accumulation also keeps host buffers holding the whole
     # gradients of the parameters overlapping each partition. Shapes of 24, 10 and 16 elements:
     # the flat buffer pads 50 to 52, partitions [0, 26) and [26, 52); rank 0 overlaps the first
@@ -115,7 +138,10 @@ def test_library_accounting_is_what_deepspeed_and_fsdp_hold():
         for precision, W in (("fp32", 4), ("mixed", 2)):
             one, two = (me.estimate(50, 2, "zero2-offload", precision, "library", shapes=shapes,
                                     rank=rank, grad_accum=a)["host_bytes"] for a in (1, 2))
-            assert (one, two) == (16 * 26, 16 * 26 + W * overlap), (rank, precision)
+            # host: (16 + W) per partition element, the largest parameter's 24-element
+            # buffer, and while accumulating the overlapping gradients
+            base = (16 + W) * 26 + W * 24
+            assert (one, two) == (base, base + W * overlap), (rank, precision)
 
 
 def test_activations_shrink_with_checkpointing():
@@ -245,16 +271,18 @@ def test_estimator_from_p_alone_is_within_the_padding(train):
         # torch Adam's step counters are known from the tensor count (DDP and FSDP only)
         tensors = len(shapes) if fsdp else 0
         est = me.estimate(P, N, run["strategy"], "fp32", "library", tensors=tensors)
+        states = est["total_bytes"] - est["transient_bytes"]  # the model states only
         for held in run["per_rank"]:
             measured = held["param_bytes"] + held["grad_bytes"] + held["optim_bytes"]
-            assert abs(measured - est["total_bytes"]) <= bound, (run["strategy"], measured, est)
+            assert abs(measured - states) <= bound, (run["strategy"], measured, est)
 
 
 def test_deepspeed_bf16_bytes_equal_the_library_accounting(tmp_path):
     """DeepSpeed in bf16 (CPU), stages 1-3 at world 2 with 2 micro-steps: every byte of every
     tensor each rank holds (working weights, gradients, fp32 master, moments) equals the
     estimator's `--accounting library --precision mixed`, and, as the ZeRO paper says for mixed
-    precision, its 2 + 2 + 12 split (K = 12 counts the master)."""
+    precision, its 2 + 2 + 12 split (K = 12 counts the master). Then offload and the
+    transients, measured by lesson 03's census (assert_offload_and_transients_measured)."""
     run_python("benchmarks/distributed_benchmarks.py", "memory", "--precision", "bf16",
                # 2 steps: the bytes are taken in the last one, after Adam's state exists
                "--strategies", "zero1,zero2,zero3", "--steps", "2", "--out", tmp_path,
@@ -265,6 +293,54 @@ def test_deepspeed_bf16_bytes_equal_the_library_accounting(tmp_path):
     for key, row in rows.items():
         assert row["library_minus_measured"] == 0, (key, row)
         assert row["paper_minus_measured"] == 0, (key, row)
+    assert_offload_and_transients_measured(tmp_path)
+
+
+def assert_offload_and_transients_measured(tmp_path):
+    """03-deepspeed/zero_offload.py in bf16 at world 2 (one launch, four configs, a 2 x
+    Linear(64, 64) MLP): what offload keeps on each side equals the estimator's library
+    accounting, the pinned 16-bit weight copy and the largest-parameter gradient buffers of
+    ZeRO-2 offload included (host 18P/N + one parameter, not 16P/N), and so do the transients:
+    the fp32 gradient copy each stage's step makes without offload (4P/N) and the parameters
+    ZeRO-3 keeps gathered from forward to backward (reuse distance 1e9: the whole model)."""
+    out = tmp_path / "offload.json"
+    configs = ["zero1_config", "zero2_offload_config", "zero3_config", "zero3_offload_config"]
+    run_torchrun("03-deepspeed/zero_offload.py", "--precision", "bf16", "--configs", *configs,
+                 "--steps", "2", "--layers", "2", "--width", "64", "--metrics-out", out,
+                 nproc=2, timeout=LAUNCH_TIMEOUT)
+    data = read_json(out)
+    shapes = [(64, 64), (64,)] * 2
+    P = sum(math.prod(s) for s in shapes)
+    assert data["n_params"] == P
+    strategy = {"zero1_config": "zero1", "zero2_offload_config": "zero2-offload",
+                "zero3_config": "zero3", "zero3_offload_config": "zero3-offload"}
+    for config in configs:
+        run = data["runs"][config]
+        assert run["precision"] == "bf16"
+        for rank, held in enumerate(run["per_rank"]):
+            est = me.estimate(P, 2, strategy[config], "mixed", "library", shapes=shapes,
+                              rank=rank)
+            side = {home: sum(b for b, h in held["census"].values() if h == home)
+                    for home in ("device", "host")}
+            t = held["transient"]
+            # the step's copy comes after backward has released the gathered parameters
+            assert held["gathered_in_step_bytes"] == 0, (config, rank)
+            assert est["transient_bytes"] == \
+                max(t["gathered after forward"], t["fp32 gradient copy in step"]), \
+                (config, rank, t, est)
+            assert t["fp32 gradient copy in step"] == (0 if "offload" in config else 4 * P // 2)
+            if config == "zero1_config":
+                continue  # its model states: deepspeed_train.py's census, the test above
+            states = est["total_bytes"] - est["transient_bytes"]
+            assert (side["device"], side["host"]) == (states, est["host_bytes"]), \
+                (config, rank, held["census"], est)
+    # ZeRO-2 offload, by name: host 18P/N + the largest parameter, device the weights + it
+    census = data["runs"]["zero2_offload_config"]["per_rank"][0]["census"]
+    assert census["weights, host copy"] == [2 * P // 2, "host"]
+    assert census["largest-param grad, host"] == [2 * 64 * 64, "host"]
+    assert census["largest-param grad, dev."] == [2 * 64 * 64, "device"]
+    host = sum(b for b, h in census.values() if h == "host")
+    assert host == 18 * P // 2 + 2 * 64 * 64
 
 
 def test_uneven_fsdp_shards_match_to_the_byte(tmp_path):
