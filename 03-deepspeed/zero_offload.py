@@ -13,11 +13,17 @@ What offload moves (DeepSpeed's "ZeRO-Offload", Ren et al. 2021, and "ZeRO-Infin
     offload_optimizer (stage 1-3): the fp32 master partition, the gradient partitions (the
         master's fp32 .grad, and at stage 3 also the buffer the backward accumulates into) and the
         Adam moments live in host memory, and DeepSpeedCPUAdam (a vectorised C++ Adam, compiled on
-        first use) runs the update on the CPU. Each backward copies this rank's reduced
-        gradients device -> host (its partition: 4P/N bytes in fp32 here, 2P/N in bf16; while
+        first use) runs the update on the CPU. At the last micro-step each backward casts this
+        rank's reduced gradient partition to fp32 on the device and copies it device -> host
+        into the master's .grad: 4P/N bytes, in bf16 training too (stage 3 first also copies the
+        W-byte partition into its host gradient buffer and back to the device; while
         accumulating, the running sum also comes back to the device to be added to, and stage 2
-        moves whole tensors of the parameters overlapping the partition); each step copies the
-        updated parameters host -> device.
+        moves whole W-byte tensors of the parameters overlapping the partition); each step
+        copies the updated parameters host -> device (W P/N bytes, through the pinned host
+        copy of the weight partition that stages 1-2 keep).
+    Host memory: stages 1-2 keep (16 + W) P/N bytes (W = 2 in bf16, 4 in fp32) plus one
+        gradient buffer the size of the largest parameter, and one more such buffer on the
+        device; stage 3 keeps (16 + W) P/N, with offload_param (16 + 2W) P/N.
     offload_param (stage 3 only): the parameter partitions live in host memory too; each layer's
         full parameters are all-gathered onto the device just in time, as stage 3 always does.
     device "nvme" (ZeRO-Infinity): the same tensors go to files under nvme_path, swapped in and
@@ -332,7 +338,9 @@ def parse_args(argv=None):
     p.add_argument("--estimate-params", type=float, default=1.5e9,
                    help="also print DeepSpeed's estimator tables for a model this size")
     p.add_argument("--estimate-largest-layer", type=float, default=8.0e7,
-                   help="its largest layer (default: GPT-2 XL's 50257 x 1600 embedding)")
+                   help="its largest layer (default: GPT-2 XL's 50257 x 1600 embedding); the "
+                   "stage-3 table reserves 4 bytes per element on each GPU: its 16-bit "
+                   "parameter and 16-bit gradient")
     p.add_argument("--estimate-gpus", type=int,
                    help="GPUs on one node for those tables (None: as many as the ranks launched)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
