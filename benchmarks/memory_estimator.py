@@ -25,10 +25,18 @@ parameters, N data-parallel ranks and Adam:
            ZeRO-3 / FSDP everything (16P/N).
 --accounting library counts what the libraries really keep (see the README): DeepSpeed's ZeRO 1-3
 keep an fp32 master partition even in fp32 training (ZeRO-3 fp32: 20P/N, not 16P/N) and pad
-their flat buffers; with offload_optimizer, ZeRO-3 keeps its gradient partition in host memory
-and ZeRO-2 under gradient accumulation keeps host buffers for whole gradients; FSDP2 keeps fp32
-shards of torch.chunk's uneven sizes and torch's Adam keeps a 4-byte step counter per parameter
-tensor on every rank.
+their flat buffers; with offload_optimizer, ZeRO-2 keeps a host copy of its weight partition and
+two gradient buffers the size of the largest parameter (host 18P/N in bf16, 20P/N in fp32, plus
+one parameter; --largest-param or --shapes), under gradient accumulation host buffers for whole
+gradients, and ZeRO-3 keeps its gradient partition in host memory. Transient, in the `transient`
+column: DeepSpeed's step makes a new fp32 copy of the gradient partition (4P/N, without offload)
+and ZeRO-3 keeps the last stage3_max_reuse_distance/2 parameter elements gathered from forward to
+backward (--reuse-distance, 1e9 in the course's configs). FSDP2 keeps fp32 shards of
+torch.chunk's uneven sizes and torch's Adam keeps a 4-byte step counter per parameter tensor on
+every rank. For the lessons' models these figures equal a measured DeepSpeed 0.19.8 run's, to
+the byte (tests/test_benchmarks.py). Not counted: communication buckets, the 16-bit flattened
+gradient the step's fp32 copy is cast from (it lives for an instant), and above R/2 parameters
+ZeRO-3's gathered bytes are an estimate to the granularity of a module.
 """
 
 import json
