@@ -10,10 +10,11 @@ Launch (from the repository root):
 Unlike a collective, a point-to-point call involves two ranks: the sender names the receiver
 (dst) and the receiver names the sender (src), and the two calls must match in size and dtype.
 "Blocking" does not mean the same on every backend. On gloo dist.send returns once the receiver
-has posted the matching recv and taken the data. On NCCL dist.send returns to Python at once: it
-queues the send on the GPU's stream, and the stream waits, for the receiver whenever NCCL cannot
-buffer the message (a later recv, queued behind it, waits too). So on gloo always, and on NCCL
-with messages it cannot buffer (in Python or on the GPU):
+has posted the matching recv and taken the data. On NCCL dist.send usually returns to Python at
+once: it queues the send on the process group's one NCCL stream, which all its unbatched sends and
+receives share, and the stream waits for the receiver whenever NCCL cannot buffer the message (a
+later recv, queued behind it, waits too). So on gloo always, and on NCCL with messages it cannot
+buffer (in Python or on the GPU):
 
     every rank:  send(to right)  -> recv(from left)      DEADLOCK: nobody is receiving
     fix 1:       even ranks send first, odd ranks receive first (the chain is broken)
@@ -57,9 +58,11 @@ def ring_shift_isend_irecv(rank, world, numel, device) -> bool:
     transfers run while this rank is free to compute, until wait()."""
     right, left = (rank + 1) % world, (rank - 1) % world
     got = torch.empty(numel, device=device)
-    # gloo accepts either order. NCCL queues the p2p calls between two ranks in issue order on
-    # one CUDA stream, so "isend, then irecv" on both ranks of a pair could still wait on each
-    # other; the even/odd order below is safe everywhere (batch_isend_irecv is the other way).
+    # gloo accepts either order. On NCCL every unbatched send and recv of the process group is
+    # queued, in issue order, on the group's one NCCL stream (the communicator is created at
+    # start-up, and torch then serialises unbatched p2p ops with all the group's other ops), so
+    # "isend, then irecv" on both ranks could still wait on each other; the even/odd order below
+    # is safe everywhere (batch_isend_irecv is the other way).
     if rank % 2 == 0:
         works = [dist.isend(message(rank, numel, device), dst=right), dist.irecv(got, src=left)]
     else:
@@ -108,8 +111,8 @@ def ring_all_gather(rank, world, numel, device) -> bool:
 PATTERNS = [
     ("send/recv ping-pong (0 <-> 1)", ping_pong, "rank 0 gets back 10 x what it sent"),
     ("isend/irecv ring shift", ring_shift_isend_irecv, "got rank-1's message"),
-    ("blocking ring, even sends first", ordered_blocking_ring, "got rank-1's message"),
-    ("batch_isend_irecv ring all-gather", ring_all_gather, "holds all n blocks, row k = k"),
+    ("fix 1: blocking ring, even sends first", ordered_blocking_ring, "got rank-1's message"),
+    ("fix 2: batch_isend_irecv ring all-gather", ring_all_gather, "holds all n blocks, row k = k"),
 ]
 
 
@@ -131,13 +134,14 @@ def deadlock(rank, world, numel, device, timeout_s) -> None:
     """The bug: every rank calls a blocking send first. Each send waits for a receiver, every
     receiver is itself stuck in send, and the process group's timeout ends it.
 
-    That is gloo's behaviour, which the except below reports. On NCCL, once the pair's
-    communicator exists (run_patterns created it), the blocking send makes this rank's stream wait
-    for it and the recv waits on that stream: a message NCCL can buffer gets through, a larger one
-    waits for a receive that is never posted. (On a first exchange at world >= 3 the ranks would
-    deadlock earlier, creating the two-rank communicators, at any size.) That hang ends, by
-    default, with NCCL's watchdog tearing the process down after the timeout, not with an
-    exception here."""
+    That is gloo's behaviour, which the except below reports. On NCCL the process group's
+    communicator exists from start-up (dtcourse.launch passes device_id to init_process_group),
+    and the group's unbatched sends and receives share its one NCCL stream: the send makes the
+    stream wait for it and the recv waits behind it, so a message NCCL can buffer gets through and
+    a larger one waits for a receive that is never posted. On a pair's first exchange NCCL also
+    sets up the connection between the two ranks, which can itself block inside dist.send on the
+    host. That hang ends, by default, with NCCL's watchdog tearing the process down after the
+    timeout, not with an exception here."""
     right, left = (rank + 1) % world, (rank - 1) % world
     got = torch.empty(numel, device=device)
     try:
@@ -171,9 +175,9 @@ def print_table(args, d, rows) -> None:
         return
     print(f"point_to_point | world {d.world_size} | device {d.device} | backend {d.backend} | "
           f"{args.numel} floats per message")
-    print(f"{'pattern':<36} {'what every rank checks':<40} check")
+    print(f"{'pattern':<41} {'what every rank checks':<36} check")
     for row in rows:
-        print(f"{row['pattern']:<36} {row['check']:<40} {'PASS' if row['pass'] else 'FAIL'}",
+        print(f"{row['pattern']:<41} {row['check']:<36} {'PASS' if row['pass'] else 'FAIL'}",
               flush=True)
     if args.json_out:
         report.write_json(args.json_out, rows)

@@ -139,7 +139,7 @@ def test_point_to_point_patterns_complete(world):
     rows = result["p2p"]
     assert [r["pattern"] for r in rows] == [
         "send/recv ping-pong (0 <-> 1)", "isend/irecv ring shift",
-        "blocking ring, even sends first", "batch_isend_irecv ring all-gather"]
+        "fix 1: blocking ring, even sends first", "fix 2: batch_isend_irecv ring all-gather"]
     assert all(r["pass"] and r["world_size"] == n for r in rows), rows
 
 

@@ -188,6 +188,10 @@ def test_ring_trace_is_the_committed_one_and_the_readme_quotes_it(ring):
     assert trace["steps"] == committed["steps"]
     assert (trace["world_size"], trace["chunk_sizes"]) == (committed["world_size"],
                                                            committed["chunk_sizes"])
+    # Every other field too (the torch version aside), so that the README's command, which
+    # writes over the committed file, leaves it unchanged.
+    assert ({k: v for k, v in trace.items() if k != "torch_version"}
+            == {k: v for k, v in committed.items() if k != "torch_version"})
     quotes = quoted_outputs_of(RING_DOC)
     assert len(quotes) == 1, "the README quotes the trace under its command"
     problems = quoted_output.check(quotes[0]["quote"], result.stdout, quotes[0]["rel"])
