@@ -8,10 +8,12 @@ Launch (from the repository root):
     torchrun --nproc_per_node=4 04-nccl-operations/ring_allreduce.py --trace-out runs/ring.json
         # ^ the plain ring, step by step: who sends which chunk, whose inputs each chunk then sums
 
-The ring is the bandwidth-optimal all-reduce (Patarasuk & Yuan, 2009), the one gloo runs. NCCL has
-it too, but picks an algorithm per message size and topology: on an NVSwitch node (H100, H200,
-B200 SXM) NVLS, the reduction done in the switch, from about 2 MiB; across nodes often Tree or
-NVLSTree (NVLS inside each node, a tree between nodes); NCCL_ALGO forces one.
+The ring is the bandwidth-optimal all-reduce on equal links (Patarasuk & Yuan, 2009), and the one
+gloo runs. NCCL has it too, but picks an algorithm per message size and topology: inside a node
+the ring, or on an NVSwitch node (H100, H200, B200 SXM) NVLS, the reduction done in the switch,
+from about 2 MiB; across nodes the tree for small messages, and for large ones the tree on two
+nodes, the ring on three or more, NVLSTree (NVLS inside each node, a tree between nodes) on
+NVSwitch clusters. NCCL_ALGO forces one.
 
 The plain ring (plain_ring_all_reduce). The n ranks form a ring: rank r sends to r+1 and
 receives from r-1. The tensor is cut into n chunks c0..c(n-1), of unequal size when n does not

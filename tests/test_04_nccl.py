@@ -232,7 +232,8 @@ def test_realistic_peak_depends_on_the_kind_of_link():
     assert {k for n, k in kinds.items() if n.startswith("pcie")} == {"pcie"}
     assert set(bw.NETWORK_LINKS) == {n for n, k in kinds.items() if k == "nic"}
     assert bw.realistic("nvlink4") == pytest.approx(0.80 * 450.0)
-    assert bw.realistic("pcie5") == pytest.approx(0.80 * 63.0)
+    # PCIe: 70%, the top of the 35-45 GB/s of a healthy 8x H100 PCIe node (benchmarks section 3).
+    assert bw.realistic("pcie5") == pytest.approx(0.70 * 63.0)
     ref = bw.reference_for("all_reduce", "ib-ndr", 8)
     assert ref == pytest.approx(0.92 * 8 * 50.0)
     healthy = [100 * 8 * per_nic / ref for per_nic in (46.0, 48.0)]  # #290's range per NDR NIC
