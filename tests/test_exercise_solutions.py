@@ -107,7 +107,8 @@ def gpt_sizes() -> list[int]:
 
 
 def test_03_ex1_stage1_holds_full_gradients_between_micro_steps_stage2_never():
-    run_documented(README_03, EX1_03, "runs/03-deepspeed/ex1_census.json")
+    run_documented(REPO / "03-deepspeed" / "exercise_solutions.md", EX1_03,
+                   "runs/03-deepspeed/ex1_census.json")
     data = read_json(REPO / "runs/03-deepspeed/ex1_census.json")
     sizes = gpt_sizes()
     P, N, B = sum(sizes), data["world_size"], data["bytes_per_element"]
@@ -133,7 +134,8 @@ def test_03_ex1_stage1_holds_full_gradients_between_micro_steps_stage2_never():
 
 
 def test_03_ex2_persistence_keeps_every_tensor_up_to_the_threshold_whole():
-    run_documented(README_03, EX2_03, "runs/03-deepspeed/ex2_persistence.json")
+    run_documented(REPO / "03-deepspeed" / "exercise_solutions.md", EX2_03,
+                   "runs/03-deepspeed/ex2_persistence.json")
     data = read_json(REPO / "runs/03-deepspeed/ex2_persistence.json")
     numel, N, B = data["numel"], data["world_size"], 4
     P = sum(numel.values())
@@ -157,7 +159,8 @@ def test_03_ex2_persistence_keeps_every_tensor_up_to_the_threshold_whole():
 def test_03_ex3_k_bias_gradient_is_rounding_and_adam_amplifies_it_below_eps():
     outputs = [f"runs/03-deepspeed/ex3_k_bias.{layout}.eps{eps}.pt"
                for layout in ("one_process", "data_parallel") for eps in ("1e-08", "1e-12")]
-    run_documented(README_03, EX3_03, "runs/03-deepspeed/ex3_k_bias.json", *outputs)
+    run_documented(REPO / "03-deepspeed" / "exercise_solutions.md", EX3_03,
+                   "runs/03-deepspeed/ex3_k_bias.json", *outputs)
     data = read_json(REPO / "runs/03-deepspeed/ex3_k_bias.json")
     grad = data["first_step_max_grad"]
     eps = 1e-8  # the configs' AdamW eps
