@@ -268,7 +268,10 @@ def setup(device: str = "auto", timeout_s: float = 120.0, cpu_collectives: bool 
     With no launcher, a group of one on an in-memory store, so that DDP, FSDP and every collective
     run through the same code as on many ranks. The launcher's variables are written back as
     RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, which libraries
-    built on torch.distributed (DeepSpeed among them) read.
+    built on torch.distributed (DeepSpeed among them) read. LOCAL_RANK is written as the index of
+    the GPU chosen, because DeepSpeed uses it as one (the engine's set_device, zero.Init's
+    device): an srun task bound to one GPU (--gpus-per-task=1) sees it as cuda:0 whatever its
+    SLURM_LOCALID, and cuda:<SLURM_LOCALID> does not exist there.
     """
     launch = launched()
     dev = choose_device(device, launch)
@@ -285,8 +288,9 @@ def setup(device: str = "auto", timeout_s: float = 120.0, cpu_collectives: bool 
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout, device_id=bound_device(dev))
     else:
+        local_rank = dev.index if dev.type == "cuda" else launch.local_rank
         os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
-                          LOCAL_RANK=str(launch.local_rank), MASTER_ADDR=launch.master_addr,
+                          LOCAL_RANK=str(local_rank), MASTER_ADDR=launch.master_addr,
                           MASTER_PORT=str(launch.master_port))
         if launch.local_world_size is not None:
             os.environ["LOCAL_WORLD_SIZE"] = str(launch.local_world_size)

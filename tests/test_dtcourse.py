@@ -306,6 +306,36 @@ def test_setup_binds_the_group_to_the_rank_gpu_on_cuda_and_to_nothing_on_cpu(mon
     assert launch.bound_device(torch.device("cpu")) is None and launch.bound_device(gpu) == gpu
 
 
+@pytest.mark.parametrize("visible,index", [(1, 0), (2, 1)], ids=["gpus-per-task-1", "2-gpus"])
+def test_setup_exports_the_chosen_gpu_as_local_rank(monkeypatch, visible, index):
+    """DeepSpeed takes LOCAL_RANK as a device index (the engine's set_device, zero.Init's
+    cuda:<LOCAL_RANK>). An srun task bound to one GPU (--gpus-per-task=1) sees only cuda:0, so
+    task 1 of the node must hand DeepSpeed LOCAL_RANK=0, not its SLURM_LOCALID (cuda:1 does not
+    exist there: "invalid device ordinal"); with both GPUs visible it uses cuda:1 and says 1.
+    No GPU here: CUDA's device count is mocked and the group is not started."""
+    import torch.distributed as dist
+
+    from dtcourse import launch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.setenv(name, "")  # recorded, so that what setup writes is undone after
+        monkeypatch.delenv(name)
+    for name, value in SRUN_ONE_NODE.items():  # task 1 of 2 on one node: SLURM_LOCALID=1
+        monkeypatch.setenv(name, value)
+    d = launch.setup("auto")
+    gpu = torch.device("cuda", index)
+    assert d.device == gpu and chosen == [gpu] and d.local_rank == 1  # the launcher's local rank
+    assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                       "MASTER_ADDR", "MASTER_PORT")} == \
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": str(index), "LOCAL_WORLD_SIZE": "2",
+         "MASTER_ADDR": "vm", "MASTER_PORT": "20010"}
+
+
 def test_reset_peak_frees_the_previous_fsdp2_model_before_the_next_measurement():
     """A script that trains several strategies one after the other resets CUDA's peak counter
     before each; if the previous model, its gradients and its AdamW state are still alive then,
