@@ -202,11 +202,13 @@ def memory_census(engine, model, config) -> dict:
 
     weights: the module's parameters (stages 1-2: full, in DeepSpeed's flat buffer including its
       alignment padding; stage 0 in fp32: the module's own tensors) or, at stage 3, this rank's
-      partition of each (`ds_tensor`).
+      partition of each (`ds_tensor`); with offload at stages 1-2 also the pinned host copy of
+      the partition in the working dtype that the step writes the new weights into.
     master: the fp32 copy the optimizer steps. DeepSpeed's ZeRO 1-3 keep one for their partition
       even when training in fp32; at stage 0 in fp32 the optimizer steps the weights themselves.
     moments: Adam's exp_avg and exp_avg_sq (the 0-dim `step` counters are not counted).
-    grads: the module's .grad plus the gradient buffers ZeRO accumulates into and the master's.
+    grads: the module's .grad plus the gradient buffers ZeRO accumulates into and the master's;
+      with offload at stages 1-2 also its two buffers the size of the largest parameter.
     secondary: ZeRO++ hpZ's second copy of the parameters, partitioned over the smaller group
       (`ds_secondary_tensor`: every gather after a parameter's first one until the optimizer
       step reads it); 0 without hpZ.
@@ -220,11 +222,17 @@ def memory_census(engine, model, config) -> dict:
     weights = [p.data for p in params] + [getattr(p, "ds_tensor", None) for p in params]
     for name in ("bit16_groups_flat", "fp16_partitioned_groups_flat"):
         weights += tensors_in(getattr(opt, name, None))
+    # Stages 1-2 with offload_optimizer (stage_1_and_2.py's __init__) keep a pinned host buffer of
+    # the working dtype the size of the partition: the step writes the updated master into it
+    # and copies it to the device from there.
+    host_weights = list(tensors_in(getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups",
+                                           None)))
     master = list(tensors_in(getattr(opt, "single_partition_of_fp32_groups", None)
                              or getattr(opt, "fp32_partitioned_groups_flat", None)
                              or [p for group in inner.param_groups for p in group["params"]]))
     if storage_bytes(master + weights) == storage_bytes(weights):
         master = []  # the optimizer steps the module's own parameters
+    weights += host_weights
     moments = [v for state in inner.state.values() for v in state.values()
                if torch.is_tensor(v) and v.dim() > 0]
     master_grads = [m.grad for m in master]
@@ -236,13 +244,18 @@ def memory_census(engine, model, config) -> dict:
     zero_grads = []
     for name in ("grad_partitions_flat_buffer", "accumulated_grads_in_cpu"):
         zero_grads += tensors_in(getattr(opt, name, None))
+    # ... and, from start-up, two gradient buffers of the working dtype the size of the largest
+    # parameter: one pinned in host memory, one on the device (the running sum of an accumulated
+    # gradient comes back through it to be added to).
+    host_grad_buffer = [getattr(opt, "temp_grad_buffer_for_cpu_offload", None)]
+    device_grad_buffer = [getattr(opt, "temp_grad_buffer_for_gpu_offload", None)]
     grads = [p.grad for p in params] + [getattr(p, "grad_accum", None) for p in params] \
-        + zero_grads + master_grads
+        + zero_grads + master_grads + host_grad_buffer + device_grad_buffer
     for name in ("averaged_gradients", "all_grad_tensors"):  # device-side, stages 1-3
         grads += tensors_in(getattr(opt, name, None))
     on_host = []
     if offloaded(config, "offload_optimizer"):
-        on_host += master + moments + master_grads + zero_grads
+        on_host += master + moments + master_grads + zero_grads + host_weights + host_grad_buffer
     if offloaded(config, "offload_param"):
         on_host += [getattr(p, "ds_tensor", None) for p in params]
     return {"param_bytes": storage_bytes(weights), "grad_bytes": storage_bytes(grads),

@@ -206,9 +206,14 @@ def test_per_rank_bytes_follow_the_zero_formulas(runs):
         "zero0_config": (B * P, B * P, 0, 2 * B * P, 0),
         "zero1_config": (B * flat, B * P, B * part12, 3 * B * part12, 0),
         "zero3_config": (B * part3, B * part3, B * part3, 3 * B * part3, 0),
-        # host: master, its gradient, the moments, and the accumulation buffers
-        "zero2_offload_config": lambda r: (B * flat, B * (part12 + overlap[r]), B * part12,
-                                           3 * B * part12, B * (4 * part12 + overlap[r])),
+        # weights: the flat buffer and the pinned host copy of the partition (the step writes the
+        # new weights into it); grads: the partition, the accumulation buffers and two buffers the
+        # size of the biggest parameter, one on the host and one on the device; host: master, its
+        # gradient, the moments, the accumulation buffers, the weight copy and the host buffer
+        "zero2_offload_config": lambda r: (B * (flat + part12),
+                                           B * (part12 + overlap[r] + 2 * biggest), B * part12,
+                                           3 * B * part12,
+                                           B * (5 * part12 + overlap[r] + biggest)),
         # everything on the host: weights, the gradient partition the backward accumulates into
         # (stage3.py allocates it on the host under offload_optimizer), the master's gradient,
         # the master, the moments: 24P/N bytes in fp32
