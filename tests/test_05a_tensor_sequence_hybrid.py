@@ -5,11 +5,14 @@ What is proved, each against one process computing the dense model:
   the dense forward output and every gradient (each rank's shard = the slice of the dense
   gradient) at TP degrees 2 and 4 (one torchrun launch at world 4, tests/workers_05a/tp_layers.py);
 - training with tensor_parallel.py at world 2 (manual / dtensor, with / without sequence
-  parallelism) exports the weights of the world-1 run;
+  parallelism) exports the weights of the world-1 run (the four variants run one after the other
+  in one torchrun launch, through the script's parse_args and train: tests/workers_05a/
+  tp_training.py);
 - the bytes its collectives send equal 8*b*s*h*(t-1)/t per layer (plus the sequence-parallel
   extras), counted independently here;
 - hybrid_parallelism.py with dp=2 x tp=2 and with tp=2 x pp=2 at world 4 exports the weights of the
-  world-1 run with the same global batch (16 sequences). Both scripts train the course's GPT
+  world-1 run with the same global batch (16 sequences), and each rank's traffic per mesh dimension
+  equals its formula (tp=2 x pp=2 on the README's multi-node command, as two simulated nodes). Both scripts train the course's GPT
   (dtcourse.models) on the same data with the same optimizer, so one world-1 run is the reference
   for every layout: TP = DP x TP = TP x PP = one process, which also proves the two scripts agree;
 - the README's quoted outputs are those of a fresh run of the command above each (all but the
@@ -38,6 +41,7 @@ from dtcourse.models import GPT
 TP = "05-advanced/a-tensor-sequence-hybrid/tensor_parallel.py"
 HYBRID = "05-advanced/a-tensor-sequence-hybrid/hybrid_parallelism.py"
 WORKER = "tests/workers_05a/tp_layers.py"
+TRAINING_WORKER = "tests/workers_05a/tp_training.py"
 README = REPO / "05-advanced" / "a-tensor-sequence-hybrid" / "README.md"
 
 # The README's runs, run verbatim by the tests below (and so not again by test_readmes.py).
@@ -102,25 +106,28 @@ def reference(tmp_path_factory):
     return load_export(out / "w1.pt")
 
 
-_TP_RUNS = {}
+VARIANTS = [("manual", False), ("manual", True), ("dtensor", False), ("dtensor", True)]
+IDS = ["manual", "manual-sp", "dtensor", "dtensor-sp"]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """The four world-2 trainings, in one launch: {variant: (rank 0's printed lines of that
+    variant, exported weights, metrics)}."""
+    out = tmp_path_factory.mktemp("tp")
+    res = run_torchrun(TRAINING_WORKER, "--out", out, "--", *STEPS, "--batch-size", str(B),
+                       nproc=2, timeout=300)
+    sections = re.split(r"^=== variant (\S+)\n", res.stdout, flags=re.M)
+    printed = dict(zip(sections[1::2], sections[2::2]))
+    assert list(printed) == IDS, res.describe()
+    return {name: (printed[name], load_export(out / name / "w.pt"), read_json(out / name / "m.json"))
+            for name in IDS}
 
 
 @pytest.fixture
-def tp_run(tmp_path_factory):
-    """One world-2 launch per (impl, sequence parallel), shared by the tests that read it."""
-    def run(impl: str, sp: bool):
-        if (impl, sp) not in _TP_RUNS:
-            out = tmp_path_factory.mktemp(f"tp_{impl}_{sp}")
-            flags = ["--impl", impl] + (["--sequence-parallel"] if sp else [])
-            res = run_torchrun(TP, *STEPS, *flags, "--batch-size", str(B), "--export",
-                               out / "w.pt", "--metrics-out", out / "m.json", nproc=2, timeout=180)
-            _TP_RUNS[impl, sp] = (res, load_export(out / "w.pt"), read_json(out / "m.json"))
-        return _TP_RUNS[impl, sp]
-    return run
-
-
-VARIANTS = [("manual", False), ("manual", True), ("dtensor", False), ("dtensor", True)]
-IDS = ["manual", "manual-sp", "dtensor", "dtensor-sp"]
+def tp_run(tp_runs):
+    """tp_run(impl, sp) -> (printed lines, weights, metrics) of that variant."""
+    return lambda impl, sp: tp_runs[IDS[VARIANTS.index((impl, sp))]]
 
 
 def test_layers_and_block_equal_dense_at_tp2_and_tp4():
@@ -147,7 +154,7 @@ def test_tensor_parallel_training_matches_one_process(tp_run, reference, impl, s
 
 @pytest.mark.parametrize("impl,sp", VARIANTS, ids=IDS)
 def test_tp_bytes_equal_formula(tp_run, impl, sp):
-    res, _, metrics = tp_run(impl, sp)
+    printed, _, metrics = tp_run(impl, sp)
     want = formula_bytes(2, sp, impl)
     traffic = metrics["traffic"]
     # Byte counts are sums of integers: exact equality.
@@ -162,22 +169,24 @@ def test_tp_bytes_equal_formula(tp_run, impl, sp):
     # ... and the printed line says so.
     assert re.search(rf"^per layer: {int(want['per_layer'])} B = formula 8\*b\*s\*h\*\(t-1\)/t "
                      rf"\* 4 B = 8\*{B}\*{S}\*{H}\*1/2\*4 = {int(want['per_layer'])} B$",
-                     res.stdout, flags=re.M), res.stdout
+                     printed, flags=re.M), printed
     if sp:
-        assert f"total {int(want['total'])} B = formula {int(want['total'])} B" in res.stdout
+        assert f"total {int(want['total'])} B = formula {int(want['total'])} B" in printed
 
 
-@pytest.mark.parametrize("degrees", [["--dp", "2", "--tp", "2", "--batch-size", "8"],
-                                     ["--dp", "1", "--tp", "2", "--pp", "2", "--batch-size", "16"]],
-                         ids=["dp2-tp2", "tp2-pp2"])
-def test_hybrid_matches_one_process(tmp_path, reference, degrees):
-    run_torchrun(HYBRID, *STEPS, *degrees, "--export", tmp_path / "w.pt", "--metrics-out",
-                 tmp_path / "m.json", nproc=4, timeout=240)
-    metrics = read_json(tmp_path / "m.json")
+def test_hybrid_matches_one_process(tmp_path, reference):
+    """dp=2 x tp=2 at world 4 (tp=2 x pp=2: the multi-node test below)."""
+    run_torchrun(HYBRID, *STEPS, "--dp", "2", "--tp", "2", "--batch-size", "8", "--export",
+                 tmp_path / "w.pt", "--metrics-out", tmp_path / "m.json", nproc=4, timeout=240)
+    assert_hybrid_run(load_export(tmp_path / "w.pt"), read_json(tmp_path / "m.json"), reference,
+                      "dp2 x tp2:")
+
+
+def assert_hybrid_run(weights: dict, metrics: dict, reference: dict, msg: str) -> None:
+    """The export equals one process's and loads into the plain model; every rank's traffic per
+    mesh dimension equals its formula."""
     assert metrics["global_batch"] == B and metrics["world_size"] == 4
-    weights = load_export(tmp_path / "w.pt")
-    assert_state_dicts_close(weights, reference, rtol=WEIGHTS_RTOL, atol=WEIGHTS_ATOL,
-                             msg=f"{degrees}:")
+    assert_state_dicts_close(weights, reference, rtol=WEIGHTS_RTOL, atol=WEIGHTS_ATOL, msg=msg)
     plain_model(HYBRID).load_state_dict(weights, strict=True)
     # Each rank's traffic per mesh dim equals its formula: TP's and PP's derived here from the
     # degrees; FSDP's from the parameters the rank holds (the script knows their shapes).
@@ -241,17 +250,19 @@ def test_documented_multi_node_command_on_two_simulated_nodes(tmp_path, referenc
     """The README's 64-GPU command (8 nodes of 8 GPUs, c10d rendezvous, --dp inferred) as 2
     simulated nodes of 2 CPU ranks: --tp 2 --pp 2 instead of 8 and 2, the default model and the
     test's 3 steps and global batch; its 8 micro-batches kept. TP groups stay inside a node, and
-    the export equals one process."""
+    the export equals one process, and each rank's traffic per mesh dimension its formula."""
     assert readme_mentions(README, SCALE_DOC), f"not in {README}: {SCALE_DOC}"
     results = run_torchrun_nodes(HYBRID, "--tp", "2", "--pp", "2", "--device", "cpu", *STEPS,
                                  "--batch-size", str(B), "--microbatches", "8",
-                                 "--export", tmp_path / "w.pt", nnodes=2, nproc_per_node=2,
+                                 "--export", tmp_path / "w.pt", "--metrics-out",
+                                 tmp_path / "m.json", nnodes=2, nproc_per_node=2,
                                  rdzv="c10d", timeout=240)
     stdout = "".join(r.stdout for r in results)
     assert "mesh pp 2 x dp 1 x tp 2 = 4 ranks" in stdout, stdout
     assert "tp groups [[0, 1], [2, 3]]: consecutive ranks, inside one node" in stdout, stdout
-    assert_state_dicts_close(load_export(tmp_path / "w.pt"), reference, rtol=WEIGHTS_RTOL,
-                             atol=WEIGHTS_ATOL, msg="2 nodes, tp2 x pp2:")
+    metrics = read_json(tmp_path / "m.json")
+    assert (metrics["dp"], metrics["tp"], metrics["pp"]) == (1, 2, 2), metrics
+    assert_hybrid_run(load_export(tmp_path / "w.pt"), metrics, reference, "2 nodes, tp2 x pp2:")
 
 
 # Degrees that do not multiply to the world size, heads not divisible by --tp:
