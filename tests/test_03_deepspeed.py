@@ -10,8 +10,10 @@
 - bad configs exit 2 with one line per rank naming the field.
 
 Cost: each 2-rank `deepspeed` launch is ~15 CPU seconds (launcher + two interpreters importing
-torch and deepspeed), so every launch is shared through module-scoped fixtures, and the runs are
-short (8 optimizer steps of the course's 110k-parameter GPT).
+torch and deepspeed), so every launch is shared through module-scoped fixtures: the eight world-2
+trainings (stages 0-3, both offload configs, the two traffic variants) run one after the other in
+one launch (tests/workers_03/deepspeed_runs.py, through the script's own functions), and the runs
+are short (8 optimizer steps of the course's 110k-parameter GPT).
 """
 
 import importlib.util
@@ -78,21 +80,36 @@ def reference(tmp_path_factory):
     return {"export": load_export(out / "model.pt"), "metrics": read_json(out / "metrics.json")}
 
 
+CONFIGS = ["zero0_config", "zero1_config", "zero2_config", "zero3_config", "zero2_offload_config",
+           "zero3_offload_config"]
+# The paper's volumes, from two settings of the same configs (test_traffic_per_stage_...).
+VARIANTS = {"zero2_reduce": ("zero2_config", {"use_multi_rank_bucket_allreduce": False}),
+            "zero3_reuse0": ("zero3_config", {"stage3_max_reuse_distance": 0,
+                                              "stage3_prefetch_bucket_size": 0})}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """runs(config) -> that config's world-2 run through the deepspeed launcher, launched once."""
+    """runs(name) -> that config's (or variant's) world-2 run: every one of them in one launch of
+    the deepspeed launcher, started by the first test that asks."""
     cache = {}
 
-    def get(config):
-        if config not in cache:
-            out = tmp_path_factory.mktemp(config)
-            run_deepspeed(TRAIN, "--deepspeed_config", LESSON / "configs" / f"{config}.json",
-                          *DIST_ARGS, "--ckpt-dir", out / "ckpt", "--ckpt-every", STEPS // 2,
-                          "--export", out / "model.pt", "--metrics-out", out / "metrics.json",
-                          num_gpus=WORLD, timeout=LAUNCH_TIMEOUT)
-            cache[config] = {"dir": out, "export": load_export(out / "model.pt"),
-                             "metrics": read_json(out / "metrics.json")}
-        return cache[config]
+    def get(name):
+        if not cache:
+            out = tmp_path_factory.mktemp("runs")
+            specs = [f"{config}={LESSON / 'configs' / f'{config}.json'}" for config in CONFIGS]
+            for variant, (config, change) in VARIANTS.items():
+                data = json.loads((LESSON / "configs" / f"{config}.json").read_text())
+                data["zero_optimization"].update(change)
+                (out / f"{variant}.json").write_text(json.dumps(data))
+                specs.append(f"{variant}={out / f'{variant}.json'}")
+            run_deepspeed("tests/workers_03/deepspeed_runs.py", "--out", out, "--runs", *specs,
+                          "--", *DIST_ARGS, "--ckpt-every", STEPS // 2, num_gpus=WORLD,
+                          timeout=3 * LAUNCH_TIMEOUT)
+            for run in [*CONFIGS, *VARIANTS]:
+                cache[run] = {"dir": out / run, "export": load_export(out / run / "model.pt"),
+                              "metrics": read_json(out / run / "metrics.json")}
+        return cache[name]
 
     return get
 
@@ -282,7 +299,7 @@ def assert_sent(measured: dict, expected: dict, config: str) -> None:
         assert 0 <= measured[kind] - want <= 16, (config, kind, measured[kind], want)
 
 
-def test_traffic_per_stage_measured_against_the_formulas(runs, tmp_path):
+def test_traffic_per_stage_measured_against_the_formulas(runs):
     """Bytes sent per optimizer step, in units of u = (N-1)/N x 4P (fp32 gradients), with A = 2
     micro-steps. The ZeRO paper: stages 1-2 move as much as DDP (reduce-scatter + all-gather:
     2u), stage 3 1.5x (the parameters gathered for forward and again for backward: 3u).
@@ -304,21 +321,11 @@ def test_traffic_per_stage_measured_against_the_formulas(runs, tmp_path):
     }
     for config, want in expected.items():
         assert_sent(measured[config], want, config)
-    # The paper's volumes, from two settings of the same configs.
-    variants = {"zero2_config": {"use_multi_rank_bucket_allreduce": False},
-                "zero3_config": {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
-    for config, change in variants.items():
-        data = json.loads((LESSON / "configs" / f"{config}.json").read_text())
-        data["zero_optimization"].update(change)
-        path = tmp_path / f"{config}.json"
-        path.write_text(json.dumps(data))
-        run_deepspeed(TRAIN, "--deepspeed_config", path, *DIST_ARGS,
-                      "--metrics-out", tmp_path / f"{config}.metrics.json", num_gpus=WORLD,
-                      timeout=LAUNCH_TIMEOUT)
-        measured[config] = sent(read_json(tmp_path / f"{config}.metrics.json"))
-    assert_sent(measured["zero2_config"], {"reduce": A * u, "all_gather": u}, "zero2 reduce")
-    assert_sent(measured["zero3_config"], {"all_gather": 2 * A * u, "reduce_scatter": A * u},
-                "zero3 reuse 0")
+    # The paper's volumes, from two settings of the same configs (VARIANTS).
+    assert_sent(sent(runs("zero2_reduce")["metrics"]), {"reduce": A * u, "all_gather": u},
+                "zero2 reduce")
+    assert_sent(sent(runs("zero3_reuse0")["metrics"]),
+                {"all_gather": 2 * A * u, "reduce_scatter": A * u}, "zero3 reuse 0")
 
 
 HPZ = ("deepspeed --num_gpus 4 03-deepspeed/deepspeed_train.py --deepspeed_config "
