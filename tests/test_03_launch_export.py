@@ -24,7 +24,7 @@ from dtcourse.models import GPT
 
 from conftest import (PYTHON, REPO, assert_state_dicts_equal, base_env, load_export, run_python,
                       run_torchrun)
-from test_scale import EXACT, FINISHED, sbatch, step_cpus
+from test_scale import EXACT, preempt_and_requeue, sbatch, step_cpus
 
 TRAIN = "03-deepspeed/deepspeed_train.py"
 SBATCH_DS = "03-deepspeed/slurm_deepspeed.sbatch"
@@ -49,17 +49,7 @@ def test_preempted_deepspeed_job_checkpoints_is_requeued_and_ends_equal(slurm, t
                  env={"CKPT_DIR": tmp_path / "ckpt", **EXACT})
     cpus = step_cpus(slurm, job)
     assert cpus == 2 * 4, f"the srun step held {cpus} CPU(s), the job file asks 2 ranks x 4"
-    slurm.wait_for(lambda: log.exists() and "step   10/" in log.read_text(), timeout=120,
-                   what="the job's first steps")
-    slurm.query("scancel", "--signal=USR1", "--batch", job)
-    # The trap requeues the job; SLURM starts it again after cred_expire (5 s on the test
-    # cluster).
-    slurm.wait_for(lambda: "Restarts=1" in slurm.query("scontrol", "show", "job", job),
-                   timeout=120, what="the requeue")
-    slurm.wait_for(lambda: slurm.job_state(job) in FINISHED, timeout=240,
-                   what="the requeued job to finish")
-    text = log.read_text()
-    assert slurm.job_state(job) == "COMPLETED", text[-4000:]
+    text = preempt_and_requeue(slurm, job, log)
     # No fixed port: the file derives it from the job id, as dtcourse.launch does under srun.
     port = 20000 + int(job) * 10 % 10000
     assert re.search(rf"master \S+:{port}$", text, re.M), text[:2000]

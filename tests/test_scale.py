@@ -133,14 +133,9 @@ def test_without_srun_cpus_per_task_the_step_gets_one_cpu(slurm, tmp_path):
     assert cpus == 1, f"the srun step held {cpus} CPU(s) without the export"
 
 
-def test_preempted_job_checkpoints_is_requeued_and_ends_equal(slurm, tmp_path, ddp_reference):
-    """SIGUSR1 to the batch script (what `#SBATCH --signal=B:USR1@60` sends before the time
-    limit): the trap asks the ranks to checkpoint (SIGTERM via SLURM), requeues the job, and the
-    requeued job resumes from that checkpoint to the uninterrupted model."""
-    out, log = tmp_path / "preempted.pt", tmp_path / "job.out"
-    job = sbatch(slurm, SBATCH_DDP, *ARGS, "--export", out, output=log, wait=False,
-                 env={"NPROC_PER_NODE": 2, "CKPT_DIR": tmp_path / "ckpt",
-                      "RDZV_PORT": free_port()})
+def preempt_and_requeue(slurm, job: str, log: Path) -> str:
+    """Signal a running job as its time limit would (SIGUSR1 to the batch shell, after its first
+    steps), wait for its trap to requeue it and for the requeued job to complete; its log."""
     slurm.wait_for(lambda: log.exists() and "step   10/" in log.read_text(), timeout=120,
                    what="the job's first steps")
     slurm.query("scancel", "--signal=USR1", "--batch", job)
@@ -152,6 +147,18 @@ def test_preempted_job_checkpoints_is_requeued_and_ends_equal(slurm, tmp_path, d
                    what="the requeued job to finish")
     text = log.read_text()
     assert slurm.job_state(job) == "COMPLETED", text[-4000:]
+    return text
+
+
+def test_preempted_job_checkpoints_is_requeued_and_ends_equal(slurm, tmp_path, ddp_reference):
+    """SIGUSR1 to the batch script (what `#SBATCH --signal=B:USR1@60` sends before the time
+    limit): the trap asks the ranks to checkpoint (SIGTERM via SLURM), requeues the job, and the
+    requeued job resumes from that checkpoint to the uninterrupted model."""
+    out, log = tmp_path / "preempted.pt", tmp_path / "job.out"
+    job = sbatch(slurm, SBATCH_DDP, *ARGS, "--export", out, output=log, wait=False,
+                 env={"NPROC_PER_NODE": 2, "CKPT_DIR": tmp_path / "ckpt",
+                      "RDZV_PORT": free_port()})
+    text = preempt_and_requeue(slurm, job, log)
     stopped = re.search(r"SIGTERM: checkpointed step (\d+)", text)
     assert stopped, f"the ranks did not checkpoint on the signal:\n{text[-4000:]}"
     step = int(stopped.group(1))
