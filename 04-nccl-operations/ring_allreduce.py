@@ -111,6 +111,19 @@ def _ring_peers(group):
     return r, n, glob((r + 1) % n), glob((r - 1) % n)
 
 
+def _chunks(tensor: torch.Tensor, n: int):
+    """(flat view of `tensor`, chunk_bounds, chunk(i)): chunk(i) is chunk i mod n, a view, so
+    every write into a chunk lands in `tensor` itself."""
+    flat = tensor.view(-1)
+    bounds = chunk_bounds(flat.numel(), n)
+
+    def chunk(i):
+        i %= n
+        return flat[bounds[i]:bounds[i + 1]]
+
+    return flat, bounds, chunk
+
+
 def plain_ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """All-reduce `tensor` in place with the plain ring: n chunks, 2(n-1) steps, and in every
     step each rank sends one whole chunk to its right neighbour while it receives one from its
@@ -129,12 +142,7 @@ def plain_ring_steps(tensor: torch.Tensor, op: str = "sum", group=None):
     r, n, right, left = _ring_peers(group)
     if n == 1 or tensor.numel() == 0:
         return
-    flat = tensor.view(-1)  # a view: every chunk below writes into `tensor` itself
-    bounds = chunk_bounds(flat.numel(), n)
-
-    def chunk(i):
-        i %= n
-        return flat[bounds[i]:bounds[i + 1]]
+    flat, bounds, chunk = _chunks(tensor, n)
 
     # One chunk's room for what arrives (chunk 0 is never smaller than any other).
     incoming = torch.empty(bounds[1] - bounds[0], dtype=flat.dtype, device=flat.device)
@@ -147,6 +155,11 @@ def plain_ring_steps(tensor: torch.Tensor, op: str = "sum", group=None):
         mine.add_(got)  # ... it is added, while the link idles (the pipelined ring overlaps them)
         yield "reduce-scatter", s, (r - s) % n, (r - s - 1) % n
 
+    yield from _all_gather_phase(chunk, r, n, right, left, op, group)
+
+
+def _all_gather_phase(chunk, r, n, right, left, op, group):
+    """Both rings end alike: (for avg) divide the chunk this rank finished, then phase 2."""
     if op == "avg":  # divide the one chunk this rank owns: each element is divided exactly once
         chunk(r + 1).div_(n)
 
@@ -176,12 +189,7 @@ def ring_steps(tensor: torch.Tensor, op: str = "sum", group=None, segment_bytes:
     r, n, right, left = _ring_peers(group)
     if n == 1 or tensor.numel() == 0:
         return
-    flat = tensor.view(-1)  # a view: every chunk below writes into `tensor` itself
-    bounds = chunk_bounds(flat.numel(), n)
-
-    def chunk(i):
-        i %= n
-        return flat[bounds[i]:bounds[i + 1]]
+    flat, bounds, chunk = _chunks(tensor, n)
 
     largest = bounds[1] - bounds[0]  # chunk 0 is never smaller than any other
     seg = min(largest, max(segment_bytes // flat.element_size(), 1)) if segment_bytes else largest
@@ -193,14 +201,7 @@ def ring_steps(tensor: torch.Tensor, op: str = "sum", group=None, segment_bytes:
         _send_and_accumulate(chunk(r - s), right, chunk(r - s - 1), left, bufs, seg, group)
         yield "reduce-scatter", s, (r - s) % n, (r - s - 1) % n
 
-    if op == "avg":  # divide the one chunk this rank owns: each element is divided exactly once
-        chunk(r + 1).div_(n)
-
-    # Phase 2, all-gather: n-1 steps; at step s send the finished chunk r+1-s, receive chunk r-s
-    # directly into place (no buffer, no add).
-    for s in range(n - 1):
-        _exchange(chunk(r + 1 - s), right, chunk(r - s), left, group)
-        yield "all-gather", s, (r + 1 - s) % n, (r - s) % n
+    yield from _all_gather_phase(chunk, r, n, right, left, op, group)
 
 
 def _send_and_accumulate(send, right, mine, left, bufs, seg, group) -> None:
