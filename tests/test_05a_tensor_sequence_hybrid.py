@@ -28,6 +28,7 @@ from conftest import (
     REPO,
     assert_state_dicts_close,
     load_export,
+    load_script,
     read_json,
     readme_mentions,
     run_python,
@@ -201,6 +202,26 @@ def assert_hybrid_run(weights: dict, metrics: dict, reference: dict, msg: str) -
         boundaries = 0 if pp == 1 else (stage > 0) + (stage < pp - 1)
         assert sent["pp"] == boundaries * b * S * H * 4, (rank, r)
         assert sent["dp"] == r["comm_formula"]["dp"] and (sent["dp"] > 0) == (dp > 1), (rank, r)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_printed_fsdp_all_gathers_equal_the_formula(pp):
+    """The dp group's line of the mesh printout says how many times FSDP all-gathers the weights
+    per step; the dp traffic formula counts them as its passes minus the one reduce-scatter
+    (forward and again for backward at pp 1; kept between micro-batches with a pipeline)."""
+    import argparse
+
+    import torch
+    script = load_script(HYBRID)
+    args = argparse.Namespace(dp=2, tp=2, pp=pp, layers=2 * pp, batch_size=8, seq_len=S, dim=H)
+    mesh = argparse.Namespace(mesh=torch.arange(2 * 2 * pp).reshape(pp, 2, 2), size=lambda: 4)
+    device = argparse.Namespace(local_world_size=4)
+    [dp_line] = [line for line in script.layout_advice(mesh, args, device) if "dp groups" in line]
+    said = re.search(r"all-gathers weights (once|twice) per step", dp_line)
+    assert said, dp_line
+    P = 10 * 4  # the bytes of 10 fp32 parameters, a count that the dp degree divides
+    passes = script.traffic_formula(args, [(10,)], first=True, last=True)["dp"] / (P / 2)
+    assert {"once": 1, "twice": 2}[said.group(1)] == passes - 1 == (2 if pp == 1 else 1), dp_line
 
 
 # README: the quoted outputs are those of a fresh run, and the multi-node command works

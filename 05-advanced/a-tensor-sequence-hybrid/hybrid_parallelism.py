@@ -6,8 +6,9 @@ is consecutive ranks, i.e. GPUs of one node:
     tp: each block's weights split Megatron-style (DTensor ColwiseParallel / RowwiseParallel;
         tensor_parallel.py builds the same by hand) - activations all-reduced in every layer;
     dp: FSDP2 (`fully_shard`) shards what each TP rank holds over the data-parallel ranks, which
-        take different rows of the global batch - parameters all-gathered, gradients
-        reduce-scattered, once per step;
+        take different rows of the global batch - parameters all-gathered before forward and
+        again before backward (once per step with a pipeline, which keeps them between
+        micro-batches), gradients reduce-scattered once per step;
     pp: the blocks split into consecutive stages (torch.distributed.pipelining, 1F1B schedule over
         micro-batches) - activations sent point-to-point between neighbouring stages.
 dp x tp x pp must equal the world size.
@@ -253,6 +254,13 @@ def sent_per_dim(records, mesh) -> dict:
     return out
 
 
+def fsdp_all_gathers(pp: int) -> int:
+    """How many times FSDP all-gathers the weights per step: before forward and again before
+    backward (reshard_after_forward frees them after forward); with a pipeline it keeps them
+    between the micro-batches instead (reshard_after_forward=False): once."""
+    return 2 if pp == 1 else 1
+
+
 def traffic_formula(args, tp_local_shapes, first: bool, last: bool) -> dict:
     """What this rank should send per step on each mesh dim, in bytes (fp32, 4 per element).
     b = this data-parallel rank's batch; t, d, p = the tp, dp, pp degrees; P = the parameters
@@ -261,10 +269,8 @@ def traffic_formula(args, tp_local_shapes, first: bool, last: bool) -> dict:
     b, s, h, e = args.batch_size, args.seq_len, args.dim, 4
     t, d = args.tp, args.dp
     P = sum(-(-shape[0] // d) * d * math.prod(shape[1:]) for shape in tp_local_shapes)
-    # FSDP all-gathers weights before forward and again before backward (they were freed after
-    # forward), and reduce-scatters gradients; with a pipeline it keeps them between the
-    # micro-batches instead (reshard_after_forward=False): one all-gather.
-    passes = 3 if args.pp == 1 else 2
+    # FSDP's all-gathers of the weights (fsdp_all_gathers), then one reduce-scatter of gradients.
+    passes = fsdp_all_gathers(args.pp) + 1
     # The pipeline sends activations (b, s, h) forward and their gradients backward, per stage
     # boundary: the first stage sends forward only, the last backward only, the others both.
     boundaries = 0 if args.pp == 1 else (not last) + (not first)
@@ -278,8 +284,8 @@ def print_traffic(args, comm_bytes: dict, formula: dict) -> None:
     report.print0("traffic of one step, counted on step 2 (fp32, 4 bytes/element; bytes rank 0 "
                   "sends, ring algorithms):")
     what = {"tp": f"L/p={args.layers // args.pp} x 8*b*s*h*(t-1)/t*4",
-            "dp": f"{3 if args.pp == 1 else 2}*(d-1)/d*4*P (FSDP: all-gather"
-                  f"{' x2' if args.pp == 1 else ''}, reduce-scatter)",
+            "dp": f"{fsdp_all_gathers(args.pp) + 1}*(d-1)/d*4*P (FSDP: all-gather"
+                  f"{' x2' if fsdp_all_gathers(args.pp) == 2 else ''}, reduce-scatter)",
             "pp": "b*s*h*4 per boundary and direction"}
     for dim in ("tp", "dp", "pp"):
         mine = {k.split("/")[1]: v for k, v in comm_bytes.items() if k.startswith(dim + "/")}
@@ -329,8 +335,9 @@ def layout_advice(mesh, args, d) -> list:
               "in every layer" if per_node % args.tp == 0 else
               f"WARNING: tp {args.tp} does not fit in the {per_node} ranks of a node, so TP's "
               f"per-layer all-reduces would cross the network",
-        "dp": "FSDP all-gathers weights and reduce-scatters gradients once per step, overlapped "
-              "with compute: fine across nodes",
+        "dp": f"FSDP all-gathers weights {('once', 'twice')[fsdp_all_gathers(args.pp) - 1]} "
+              f"per step and reduce-scatters gradients once, overlapped with compute: fine "
+              f"across nodes",
         "pp": "point-to-point activations at stage boundaries only, the least traffic: fine "
               "across nodes, on the slowest links",
     }
