@@ -1,6 +1,7 @@
 """Measure and plot the two figures of 05-advanced/a-tensor-sequence-hybrid/README.md.
 
     python 05-advanced/a-tensor-sequence-hybrid/figures/tp_figures.py   # ~15 min on a 2-core CPU
+    python 05-advanced/a-tensor-sequence-hybrid/figures/tp_figures.py --from-json  # replot only
 
 1. tp_step_time.png: median time per training step of tensor_parallel.py at world 2, hand-written
    layers vs DTensor, with and without sequence parallelism, at two model sizes. Each variant runs
@@ -8,7 +9,10 @@
    the median over repeats of the per-repeat ratio DTensor / manual.
 2. tp_bytes_tp_vs_dp.png: bytes one rank sends per step, measured by hybrid_parallelism.py's
    counter, for the same model and global batch split two ways at world 2: --tp 2 (activations,
-   grows with batch x sequence) and --dp 2 (FSDP: parameters, independent of the batch).
+   grows with batch x sequence) and --dp 2 (FSDP: parameters, independent of the batch). TP's
+   bytes are proportional to the tokens of the step, so its line is drawn through many points
+   (a straight segment between two measured points would bend it on the log axis) and the
+   crossings printed are where that line meets FSDP's and DDP's.
 
 Like the benchmarks, this launches the lesson scripts as subprocesses and reads their
 --metrics-out JSON; the raw numbers go to tp_figures.json beside the plots.
@@ -94,10 +98,28 @@ def plot(times: dict, bytes_: dict, seq_len: int) -> dict:
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
     tokens = [g * seq_len for g in bytes_["global_batch"]]
-    ax.plot(tokens, [b / 1e6 for b in bytes_["tp"]], "o-", label="tensor parallel, t = 2")
-    ax.plot(tokens, [b / 1e6 for b in bytes_["dp"]], "s-", label="FSDP, d = 2")
+    per_token = {b / n for b, n in zip(bytes_["tp"], tokens)}
+    assert len(per_token) == 1, f"TP bytes not proportional to tokens: {bytes_['tp']}"
+    per_token = per_token.pop()
+    fsdp = statistics.median(bytes_["dp"])
     ddp = 2 * (2 - 1) / 2 * 4 * bytes_["param_count"]
+    # TP's bytes grow linearly with tokens: drawn through 200 points, so that on the log axis the
+    # line is the curve it is, not straight segments between the three measured points.
+    lo, hi = tokens[0] / 2, tokens[-1] * 2
+    dense = [lo * (hi / lo) ** (k / 199) for k in range(200)]
+    ax.plot(dense, [per_token * n / 1e6 for n in dense], "-", color="C0",
+            label=f"tensor parallel, t = 2: {per_token:.0f} B per token")
+    ax.plot(tokens, [b / 1e6 for b in bytes_["tp"]], "o", color="C0", label="measured")
+    ax.axhline(fsdp / 1e6, color="C1", label="FSDP, d = 2 (3(d-1)/d x 4P)")
+    ax.plot(tokens, [b / 1e6 for b in bytes_["dp"]], "s", color="C1", label="measured")
     ax.axhline(ddp / 1e6, color="grey", ls=":", label="DDP formula 2(d-1)/d x 4P")
+    crossings = {"ddp": ddp / per_token, "fsdp": fsdp / per_token}
+    for name, x in crossings.items():
+        ax.axvline(x, color="grey", lw=0.6, ls="--")
+        ax.annotate(f"{x:.0f}", (x, per_token * x / 1e6),
+                    xytext=(4, -12), textcoords="offset points", fontsize=8)
+        print(f"TP's line crosses {name.upper()}'s at {x:.1f} tokens ({x / seq_len:.2f} "
+              f"sequences of {seq_len})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per step (global batch x sequence)")
     ax.set_ylabel("MB one rank sends per step")
@@ -105,7 +127,7 @@ def plot(times: dict, bytes_: dict, seq_len: int) -> dict:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(HERE / "tp_bytes_tp_vs_dp.png", dpi=120)
-    return ratios
+    return ratios, crossings
 
 
 def main():
@@ -113,12 +135,19 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batches", type=int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--from-json", action="store_true",
+                   help="measure nothing: redraw both plots from the numbers in tp_figures.json")
     args = p.parse_args()
+    if args.from_json:
+        saved = json.loads((HERE / "tp_figures.json").read_text())
+        plot(saved["step_ms"], saved["traffic"], seq_len=16)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         times = step_times(args.repeats, args.steps, Path(tmp))
         bytes_ = traffic(args.batches, Path(tmp))
-    ratios = plot(times, bytes_, seq_len=16)
+    ratios, crossings = plot(times, bytes_, seq_len=16)
     result = {"step_ms": times, "dtensor_over_manual": ratios, "traffic": bytes_,
+              "tp_crossing_tokens": crossings,
               "machine": "2-core AMD EPYC CPU (shared), gloo", "python": sys.version.split()[0]}
     (HERE / "tp_figures.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({"dtensor_over_manual": ratios}, indent=1))
