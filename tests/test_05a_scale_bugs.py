@@ -74,7 +74,8 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    run_documented(README, WORLD4_CMD, "runs/scale_bugs_world4.json", "runs/scale_bugs_world4.pt")
+    run_documented(REPO / LESSON / "scale_bugs.md", WORLD4_CMD, "runs/scale_bugs_world4.json",
+                   "runs/scale_bugs_world4.pt")
     return (read_json(REPO / "runs/scale_bugs_world4.json"),
             torch.load(REPO / "runs/scale_bugs_world4.pt", weights_only=True))
 
