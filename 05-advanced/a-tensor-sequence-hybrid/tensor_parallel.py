@@ -68,7 +68,10 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone(memory_format=torch.contiguous_format)  # all_reduce works in place
-        dist.all_reduce(grad, group=ctx.group)  # bwd: all-reduce (b, s, h) over the TP group
+        # bwd: all-reduce (b, s, h) over the TP group. Blocking, so exposed on a GPU: Megatron-LM
+        # instead launches it asynchronously inside the linear layer's backward and computes the
+        # weight gradient while it runs (a reduce-scatter under sequence parallelism).
+        dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
