@@ -1,8 +1,8 @@
 """Lesson 05a, bugs that only appear at scale (05-advanced/a-tensor-sequence-hybrid/scale_bugs.py).
 
-The README's two commands (world 2: both bugs and the recomputation modes; world 4: the 2-D
-clipping layouts) run once each through `run_documented`, which also re-checks the output the
-README quotes. Every test below reads the `--json-out` they write and the tensor file beside it
+The lesson's two commands (world 2, in its README: both bugs and the recomputation modes; world
+4, in its deep dive scale_bugs.md: the 2-D clipping layouts) run once each through
+`run_documented`, which also re-checks the output each page quotes. Every test below reads the `--json-out` they write and the tensor file beside it
 (`.pt`: every rank's clipped gradients and cross-entropy gradients, each recomputation mode's
 gradients). The references are computed again here, in this process, from the course's model and
 data, not taken from the script:
@@ -35,7 +35,7 @@ from dtcourse.models import GPT, init_gpt
 LESSON = "05-advanced/a-tensor-sequence-hybrid"
 README = REPO / LESSON / "README.md"
 SCRIPT = f"{LESSON}/scale_bugs.py"
-# The README's commands, verbatim (so tests/test_readmes.py does not run them again).
+# The pages' commands, verbatim (so tests/test_readmes.py does not run them again).
 WORLD2_CMD = ("torchrun --nproc_per_node=2 05-advanced/a-tensor-sequence-hybrid/scale_bugs.py "
               "--json-out runs/scale_bugs_world2.json")
 WORLD4_CMD = ("torchrun --nproc_per_node=4 05-advanced/a-tensor-sequence-hybrid/scale_bugs.py "
