@@ -9,6 +9,8 @@ Launch (from the repository root; plain arithmetic: no torch, no GPU, under a se
     python 05-advanced/cost_model.py --model llama3.1-70b --tp 8 --sharding fsdp   # constrained
     python 05-advanced/cost_model.py --model llama3.1-405b --gpus 8192 --network roce-400 \
         --global-batch-tokens 16Mi --overlap off
+    python 05-advanced/cost_model.py --model llama3.1-8b --gpu h100-96gb --gpus 8 \
+        --global-batch-tokens 128Ki --tp 1 --pp 1 --batch-size 2 --activation-checkpointing selective
 
 A flag that names part of a layout (--tp --cp --pp --virtual-stages --dp --sharding --batch-size
 --activation-checkpointing) restricts the search to layouts with that value, and the
@@ -19,12 +21,18 @@ The model of one step (s = sequence length, b = sequences per micro-batch, m = m
 data-parallel rank, t/c/p/d = TP/CP/PP/DP degrees; ranks laid out TP innermost, then CP, PP, DP,
 the order of Llama 3):
     compute  FLOPs per token 6N + 12*L*h*s (the MFU formula of 02-fsdp/fsdp_transformer.py) at
-             peak x --mfu; full activation checkpointing adds a forward (x 4/3)
+             peak x --compute-efficiency (the kernels alone; the MFU printed for the step is
+             end to end: bubble, exposed communication and optimizer included); full activation
+             checkpointing adds a forward (x 4/3), selective (torchtitan's per-operator policy)
+             the forward of every second matmul of a layer (k, o, up)
     TP       with sequence parallelism: per layer and micro-batch, 2 all-gathers and 2
              reduce-scatters of (b, s/c, h) forward, 4 backward, 4 more when the forward is
-             recomputed; inside a node, never hidden
+             recomputed (2 under selective recomputation); inside a node, exposed, as in a plain
+             DTensor plan (Megatron-LM, Transformer Engine and torch's async TP hide some of them)
     PP       2 sends of (b, s/c, h/t) per micro-batch and chunk; the bubble (p-1)/(v m + p-1)
-             (v = 1: 1F1B; v > 1: interleaved 1F1B, p v dividing the layers) is lost time
+             (v = 1: 1F1B; v > 1: interleaved 1F1B, p v dividing the layers, or the layers + 2
+             with the first and last stage one layer short, as Llama 3 and Megatron-Core's
+             uneven stages do) is lost time
     CP       K,V chunks all-gathered round the ring forward and again backward, dK,dV
              reduce-scattered, per layer and micro-batch: hidden behind attention (--overlap on)
     DP       over the d x c ranks that hold the same weights, gradients reduced in
@@ -81,6 +89,12 @@ GPUS = {
                      network="ib-ndr"),
     "a100-sxm-80gb": dict(name="A100 SXM 80GB", tflops=312.0, hbm_gb=80.0, hbm_tbps=2.039,
                           nvlink=300.0, network="ib-hdr"),
+    # The GPUs of torchtitan's H100 benchmarks (benchmarks/llama3_h100_202412_torchtitan.md, on
+    # Meta's Grand Teton hosts): H100 with 96 GB of HBM2e at 2.4 TB/s, run at a 500 W power
+    # limit (the SXM's 700 W peak is the data sheet's: what 500 W costs is left to
+    # --compute-efficiency), 400 Gb/s of RDMA network per GPU.
+    "h100-96gb": dict(name="H100 96GB HBM2e", tflops=989.0, hbm_gb=96.0, hbm_tbps=2.4,
+                      nvlink=450.0, network="ib-ndr"),
 }
 
 # One NIC's speed, GB/s one way (InfiniBand Trade Association: NDR 4 x 100 Gb/s, HDR 4 x 50 Gb/s;
@@ -110,7 +124,14 @@ BF16 = 2                       # bytes of a bf16 activation, weight or gradient 
 GRAD_BYTES = {"fp32": 4, "bf16": 2}  # --grad-reduce-dtype: bytes of a reduced gradient element
 DDP_BUCKET = 25 * 1024 * 1024  # torch DDP's default bucket_cap_mb = 25 (MiB): one all-reduce each
 SHARDINGS = ("ddp", "zero1", "fsdp")
-CHECKPOINTING = ("none", "full")
+CHECKPOINTING = ("none", "selective", "full")
+# Compute efficiency: the fraction of the dense peak the GEMMs and attention kernels reach while
+# they run (not the end-to-end MFU, which also loses the bubble, the exposed communication and the
+# optimizer step). Fitted to Llama 3's first 405B pretraining layout (table 4 of "The Llama 3 Herd
+# of Models": 8,192 H100s, TP 8 x PP 16 x DP 64, 430 TFLOP/s per GPU, 43% BF16 MFU), where this
+# model, given that layout, prints MFU 0.43; tests/test_cost_model.py checks that the same value
+# reproduces the end-to-end MFU of the other published layouts it cites within a stated margin.
+COMPUTE_EFFICIENCY = 0.55
 MAX_MICRO_BATCH = 16  # sequences per micro-batch considered: 1, 2, 4, 8, 16
 TIE = 0.01           # step times within 1% of the fastest count as equal
 # the layout's keys and the flags that set them
@@ -128,6 +149,14 @@ def param_counts(m: dict) -> dict:
     total = m["layers"] * layer + embedding * (1 if m["tied"] else 2) + h  # + the final norm
     return {"total": total, "layer": layer, "layer_matrices": matrices, "kv": kv,
             "embedding": embedding, "flops_n": total if m["tied"] else total - embedding}
+
+
+def recomputed_weights(m: dict) -> int:
+    """Weights of one layer whose matmuls torchtitan's selective (per-operator) recomputation
+    re-runs in backward: every second matmul in the order q, k, v, o, gate, up, down, that is k,
+    o and up."""
+    h, kv = m["hidden"], m["kv_heads"] * (m["hidden"] // m["heads"])
+    return h * kv + h * h + h * m["ffn"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,6 +214,30 @@ def send(group: list, payload: float, cl: dict) -> dict:
     return {"bytes": payload, "steps": 1, "time": alpha + payload / bw}
 
 
+def context_parallel_bytes(kind: str, p: int, heads: int, kv_heads: int, head_dim: int,
+                           seq_len: int, batch: int = 1, bytes_per_el: int = 4) -> int:
+    """Bytes one rank of a context-parallel group of p ranks sends in one attention forward,
+    the sequence of seq_len positions split evenly (p divides seq_len), q with `heads` heads,
+    k and v with `kv_heads` (grouped-query attention; kv_heads = heads is multi-head attention).
+    With S = batch x seq_len / p x head_dim x bytes_per_el, one head of one rank's positions:
+        ulysses  (p - 1) / p x (2 heads + 2 kv_heads) x S   4 all-to-alls (q, k, v, out), each
+                                                             keeping 1 / p of its block at home
+        ring     2 (p - 1) x kv_heads x S                    k and v passed p - 1 hops
+    With heads = kv_heads = H these are 4 (p - 1) / p and 2 (p - 1) blocks of H heads (the
+    lesson 05b formulas); with grouped KV heads only the ring's whole volume shrinks by
+    heads / kv_heads. Ulysses needs p to divide heads and kv_heads (whole heads per rank)."""
+    if seq_len % p or heads % kv_heads:
+        raise ValueError(f"p {p} must divide seq_len {seq_len}, kv_heads {kv_heads} heads {heads}")
+    s = batch * (seq_len // p) * head_dim * bytes_per_el
+    if kind == "ulysses":
+        if heads % p or kv_heads % p:
+            raise ValueError(f"Ulysses needs p {p} to divide heads {heads} and kv_heads {kv_heads}")
+        return (p - 1) * (2 * heads + 2 * kv_heads) * s // p
+    if kind == "ring":
+        return 2 * (p - 1) * kv_heads * s
+    raise ValueError(f"kind must be 'ring' or 'ulysses', got {kind!r}")
+
+
 # --------------------------------------------------------------------------------------------------
 # One layout: its step time and its memory per GPU
 
@@ -204,8 +257,8 @@ def fsdp_units(mdl: dict, t: int, p: int, stage_layers: int) -> tuple:
 
 
 def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
-    """Every term of one layout. lay: tp cp pp v dp sharding ac b; run: seq, sequences, mfu,
-    overlap, grad_bytes. Times in seconds, bytes per GPU."""
+    """Every term of one layout. lay: tp cp pp v dp sharding ac b; run: seq, sequences,
+    efficiency, overlap, grad_bytes. Times in seconds, bytes per GPU."""
     t, c, p, d, b, v = lay["tp"], lay["cp"], lay["pp"], lay["dp"], lay["b"], lay["v"]
     L, h, f, V, s = mdl["layers"], mdl["hidden"], mdl["ffn"], mdl["vocab"], run["seq"]
     pc, G = mdl["counts"], run["grad_bytes"]
@@ -215,13 +268,18 @@ def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
     # into v chunks of L/(p v) layers; it is offered only where p v divides L (Megatron-LM
     # requires it), so the busiest rank holds exactly L/p layers then.
     stage_layers = math.ceil(L / p)
-    recompute = lay["ac"] == "full"
-    rate = cl["tflops"] * 1e12 * run["mfu"]       # FLOP/s one GPU achieves
+    recompute, selective = lay["ac"] == "full", lay["ac"] == "selective"
+    rate = cl["tflops"] * 1e12 * run["efficiency"]  # FLOP/s one GPU's kernels achieve
 
     # Compute of one micro-batch on one GPU: its stage's share of the layers, its 1/t of every
-    # matrix and its 1/c of the tokens. Backward is twice forward; recomputing adds a forward.
+    # matrix and its 1/c of the tokens. Backward is twice forward; full recomputation adds a
+    # forward; selective recomputation (torchtitan's per-operator policy: every matmul output
+    # saved except every second one, the attention output saved) re-runs the forward of the k, o
+    # and up projections of each layer (2 FLOPs per weight and token).
     flops = b * s * run["flops_per_token"] * stage_layers / L / (t * c)
-    fwd, bwd = flops / 3 / rate, (2 * flops / 3 + (flops / 3 if recompute else 0)) / rate
+    redo = flops / 3 if recompute else \
+        2 * b * s * recomputed_weights(mdl) * stage_layers / (t * c) if selective else 0.0
+    fwd, bwd = flops / 3 / rate, (2 * flops / 3 + redo) / rate
     attention = b * s * 12 * stage_layers * h * s / (t * c) * (4 / 3 if recompute else 1) / rate
 
     tp_group, cp_group = [(t, 1)], [(c, t)]
@@ -232,8 +290,14 @@ def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
     # the MLP and reduce-scatters each block's output: 4 collectives of the whole (b, s/c, h)
     # activation; backward runs their conjugates, 4 more; a recomputed forward repeats its 4. Each
     # is costed as an all-gather: a ring reduce-scatter of the same tensor sends as many bytes in
-    # as many steps.
-    per_layer = 8 + (4 if recompute else 0)
+    # as many steps. Selective recomputation re-runs the two all-gathers (their outputs are not
+    # among the saved operators, and the k and up projections read them). All are exposed: a
+    # plain DTensor plan runs each collective before or after its matmul, on the critical path.
+    # (Megatron-LM overlaps the backward reduce-scatter of the input gradient with the
+    # weight-gradient GEMM and the re-gather with the input-gradient GEMM; Transformer Engine's
+    # userbuffers and torch's async TP under torch.compile split the forward ones into chunks
+    # that overlap their matmul: this model hides none of them.)
+    per_layer = 8 + (4 if recompute else 2 if selective else 0)
     tp = collective("all_gather", tp_group, tokens * h * BF16, cl)
     n = per_layer * stage_layers if t > 1 else 0
     terms["tp"] = {"count": n * m, "bytes": n * m * tp["bytes"], "mb": n * tp["time"]}
@@ -305,11 +369,12 @@ def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
         rs = {u: collective("reduce_scatter", dp_group, G * u, cl) for u in sizes}
         if p > 1:
             # Under a pipeline with fully_shard(reshard_after_forward=False) (torchtitan's default
-            # with PP, distributed/fsdp.py): torch.distributed.pipelining sets
-            # reshard_after_backward and requires_gradient_sync False for all but the last
-            # micro-batch (stage.py), so each unit is gathered once and reduce-scattered once per
-            # step. (With the default reshard_after_forward=True it would re-gather every
-            # micro-batch's forward.)
+            # with PP, distributed/fsdp.py): torch.distributed.pipelining (torch 2.14, stage.py)
+            # sets reshard_after_backward and requires_gradient_sync False for every backward
+            # micro-batch, then, after the last one, turns both on and runs FSDP's post-backward
+            # once (perform_reduce_grad, the schedule's REDUCE_GRAD action): each unit is gathered
+            # once and reduce-scattered once per step. (With the default
+            # reshard_after_forward=True it would re-gather every micro-batch's forward.)
             dp = {"count": 2 * len(units),
                   "bytes": sum(ag[u]["bytes"] + rs[u]["bytes"] for u in units),
                   "time": sum(ag[u]["time"] + rs[u]["time"] for u in units)}
@@ -383,11 +448,16 @@ def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
     # pipeline_parallel/schedules.py) and holds one more: chunks of L/(p v) layers,
     # 1 + (p-1)/(p v) times 1F1B's p stages of L/p (05b counts 11 chunks held at p = 4, v = 2).
     # Full checkpointing keeps only each layer's input (2h/t bytes, sequence-sharded) and rebuilds
-    # one layer at a time.
+    # one layer at a time; selective keeps the layer's input and the saved operators' outputs: q,
+    # v, the attention output, gate and down (h, kv, h, f, h: 2(4h + kv + f)/t bytes a token with
+    # the input) and rebuilds the rest one layer at a time.
     per_token_layer = (12 * h + 4 * pc["kv"] + 8 * f) / t + 4 * h * (t - 1) / t
     in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
     if recompute:
         acts = stage_layers * tokens * 2 * h / t * in_flight + tokens * per_token_layer
+    elif selective:
+        kept = 2 * (4 * h + pc["kv"] + f) / t
+        acts = stage_layers * tokens * kept * in_flight + tokens * per_token_layer
     else:
         acts = stage_layers * tokens * per_token_layer * in_flight
     logits = tokens * V / t * (BF16 + 4)  # the last stage's bf16 logits and fp32 loss input
@@ -405,6 +475,13 @@ def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
 # The search: every layout, the fastest that fits
 
 
+def interleavable(layers: int, p: int, v: int) -> bool:
+    """p x v chunks of equal layers, or of layers + 2 slots where the embedding and the output
+    layer take a layer's slot each in the first and last chunk (Megatron-Core's
+    --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split)."""
+    return layers % (p * v) == 0 or (layers + 2) % (p * v) == 0
+
+
 def powers_of_two(limit: int) -> list:
     return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
 
@@ -413,7 +490,10 @@ def candidates(mdl: dict, cl: dict, run: dict) -> list:
     """Every layout of the cluster's GPUs: TP inside a node (a power of two dividing the heads and
     KV heads), CP chunks of at least --min-cp-chunk tokens (the sequence cut into 2c pieces for a
     balanced causal ring), PP up to one layer per stage, interleaved with v chunks per rank when
-    p v divides the layers (any such v: Megatron-LM requires equal chunks) and p divides m (the
+    p v divides the layers, or the layers + 2 with the first chunk and the last one layer short
+    (Llama 3's balancing for the embedding and the output layer; Megatron-Core's uneven first and
+    last stages; the busiest rank holds ceil(L/p) layers either way), and
+    p divides m (the
     condition of Megatron-LM's first interleaved schedule; Megatron-LM now takes any m >= p,
     through microbatch_group_size_per_vp_stage, and Llama 3 lifted it too: this model keeps it, so
     that every micro-batch group fills the pipeline and the bubble is (p-1)/(v m + p-1)), DP the
@@ -434,8 +514,8 @@ def candidates(mdl: dict, cl: dict, run: dict) -> list:
                 for b in [b for b in powers_of_two(min(per_rank, MAX_MICRO_BATCH))
                           if per_rank % b == 0]:
                     m = per_rank // b
-                    vs = [1] + [v for v in range(2, L // p + 1)
-                                if p > 1 and m % p == 0 and L % (p * v) == 0]
+                    vs = [1] + [v for v in range(2, (L + 2) // p + 1)
+                                if p > 1 and m % p == 0 and interleavable(L, p, v)]
                     for v in vs:
                         for sh in SHARDINGS if d * c > 1 else ("ddp",):
                             for ac in CHECKPOINTING:
@@ -471,7 +551,8 @@ def best(results: list, **where):
 
 
 def describe(lay: dict, m: int) -> str:
-    ac = "full activation checkpointing" if lay["ac"] == "full" else "no activation checkpointing"
+    ac = {"full": "full", "selective": "selective", "none": "no"}[lay["ac"]] \
+        + " activation checkpointing"
     pp = f"pp {lay['pp']}" + (f" (interleaved, v {lay['v']})" if lay["v"] > 1 else "")
     return (f"tp {lay['tp']} x cp {lay['cp']} x {pp} x dp {lay['dp']}, "
             f"{lay['sharding']}, batch-size {lay['b']} ({m} micro-batch{'es' if m > 1 else ''}), "
@@ -552,13 +633,15 @@ def header(args, mdl: dict, cl: dict, run: dict) -> list:
         f"cost model | {args.model} on {cl['gpus']} x {args.gpu} ({nodes} node"
         f"{'s' if nodes > 1 else ''} of {cl['gpus_per_node']}, {args.network}) | "
         f"{run['sequences']} sequences x {run['seq']} = {run['sequences'] * run['seq']:,} tokens "
-        f"per step | MFU {run['mfu']:.2f} | overlap {'on' if run['overlap'] else 'off'}",
+        f"per step | compute efficiency {run['efficiency']:.2f} | overlap "
+        f"{'on' if run['overlap'] else 'off'}",
         f"model    {pc['total']:,} parameters: {mdl['layers']} layers, h {mdl['hidden']}, "
         f"ffn {mdl['ffn']}, {mdl['heads']} heads, {mdl['kv_heads']} KV heads, vocab "
         f"{mdl['vocab']}, {tied} embedding",
         f"flops    6N + 12*L*h*s = 6 x {pc['flops_n']:,} + 12 x {mdl['layers']} x {mdl['hidden']}"
         f" x {run['seq']} = {run['flops_per_token']:,} per token",
-        f"gpu      {gpu['name']}: {gpu['tflops']:g} dense bf16 TFLOP/s x {run['mfu']:.2f} | HBM "
+        f"gpu      {gpu['name']}: {gpu['tflops']:g} dense bf16 TFLOP/s, kernels at "
+        f"{run['efficiency']:.2f} | HBM "
         f"{gpu['hbm_gb']:g} GB ({args.usable_memory:.0%} usable), {gpu['hbm_tbps']:g} TB/s | "
         f"NVLink {gpu['nvlink']:g} GB/s each way",
         f"network  {net['name']}: {args.nics_per_node} NICs per node = "
@@ -602,11 +685,15 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
     p.add_argument("--global-batch-tokens", default="4Mi",
                    help="tokens per optimizer step (4194304, 4Mi, 512Ki)")
-    p.add_argument("--mfu", type=float, default=0.40, help="fraction of the GPU's dense bf16 "
-                   "peak that its compute achieves (Llama 3 reports 38-43%% on H100)")
+    p.add_argument("--compute-efficiency", type=float, default=COMPUTE_EFFICIENCY,
+                   help="fraction of the GPU's dense bf16 peak that its matmul and attention "
+                   "kernels reach while they run (not the end-to-end MFU the step line prints, "
+                   "which also loses the bubble, exposed communication and the optimizer; "
+                   "default: fitted to Llama 3's 405B layout of 43%% MFU)")
     p.add_argument("--overlap", choices=["on", "off"], default="on",
                    help="on: DP/FSDP traffic hides behind compute (backward, or forward too), CP "
-                        "behind attention; TP and PP never do. off: every byte is exposed")
+                        "behind attention; TP and PP are exposed, as in a plain DTensor plan. "
+                        "off: every byte is exposed")
     p.add_argument("--grad-reduce-dtype", choices=list(GRAD_BYTES), default="fp32",
                    help="the dtype gradients are reduced (and, under a pipeline, accumulated) in: "
                    "fp32 is torchtitan's, OLMo's, Megatron-LM's and DDP-with-autocast's default")
@@ -619,7 +706,7 @@ def parse_args(argv=None):
                    "fill (the rest: CUDA context, NCCL buffers, allocator fragmentation)")
     p.add_argument("--min-cp-chunk", type=int, default=8192, help="the fewest tokens per GPU a "
                    "context-parallel layout may leave (published CP runs keep 8192 or more: the "
-                   "fixed MFU of this model would not hold for small attention blocks)")
+                   "fixed compute efficiency of this model would not hold for small attention blocks)")
     p.add_argument("--tp", type=int, help="only layouts with this tensor-parallel degree")
     p.add_argument("--cp", type=int, help="only layouts with this context-parallel degree")
     p.add_argument("--pp", type=int, help="only layouts with this many pipeline stages")
@@ -628,7 +715,8 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, help="only layouts with this data-parallel degree")
     p.add_argument("--sharding", choices=SHARDINGS, help="only layouts with this data parallelism")
     p.add_argument("--activation-checkpointing", choices=CHECKPOINTING,
-                   help="only layouts with (full) or without (none) activation checkpointing")
+                   help="only layouts with this activation checkpointing: none, selective "
+                   "(torchtitan's per-operator policy) or full")
     p.add_argument("--batch-size", type=int, help="only layouts with this many sequences per "
                    "data-parallel rank per micro-step")
     p.add_argument("--json-out", type=Path, help="write the inputs, the recommended layout's "
@@ -640,12 +728,13 @@ def parse_args(argv=None):
 
 def check(args) -> None:
     """Bad input ends here, with one line naming the numbers involved."""
-    cli.check_positive(args, "gpus", "gpus_per_node", "nics_per_node", "seq_len", "mfu",
+    cli.check_positive(args, "gpus", "gpus_per_node", "nics_per_node", "seq_len",
+                       "compute_efficiency",
                        "nvlink_efficiency", "nic_efficiency", "usable_memory", "min_cp_chunk",
                        "tp", "cp", "pp", "virtual_stages", "dp", "batch_size")
     if args.network == "auto":
         args.network = GPUS[args.gpu]["network"]
-    for name in ("mfu", "nvlink_efficiency", "nic_efficiency", "usable_memory"):
+    for name in ("compute_efficiency", "nvlink_efficiency", "nic_efficiency", "usable_memory"):
         if getattr(args, name) > 1:
             fail(f"--{name.replace('_', '-')} is a fraction (at most 1), got {getattr(args, name)}")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
@@ -668,10 +757,10 @@ def check(args) -> None:
     if args.pp is not None and args.pp > mdl["layers"]:
         fail(f"--pp {args.pp} is more stages than {args.model}'s {mdl['layers']} layers")
     if args.pp and args.virtual_stages and args.virtual_stages > 1 \
-            and mdl["layers"] % (args.pp * args.virtual_stages):
+            and not interleavable(mdl["layers"], args.pp, args.virtual_stages):
         fail(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = "
              f"{args.pp * args.virtual_stages} does not divide {args.model}'s {mdl['layers']} "
-             "layers into equal chunks")
+             "layers (or the layers + 2, first and last chunk one short) into equal chunks")
     given = [(k, getattr(args, k)) for k in ("tp", "cp", "pp", "dp") if getattr(args, k)]
     prod = math.prod(v for _, v in given)
     names = " x ".join(f"--{k} {v}" for k, v in given)
@@ -695,7 +784,8 @@ def inputs(args) -> tuple:
           "base": BASE_LATENCY_US * 1e-6, "alpha_nvlink": ALPHA_NVLINK_US * 1e-6,
           "alpha_net": ALPHA_NET_US * 1e-6,
           "usable_bytes": args.usable_memory * gpu["hbm_gb"] * 1e9}
-    run = {"seq": args.seq_len, "sequences": args.tokens // args.seq_len, "mfu": args.mfu,
+    run = {"seq": args.seq_len, "sequences": args.tokens // args.seq_len,
+           "efficiency": args.compute_efficiency,
            "min_cp_chunk": args.min_cp_chunk, "overlap": args.overlap == "on",
            "grad_bytes": GRAD_BYTES[args.grad_reduce_dtype],
            "flops_per_token": 6 * mdl["counts"]["flops_n"]
@@ -729,7 +819,8 @@ def write_json(path: Path, args, mdl, run, every, chosen, overall, fixed) -> Non
     out = {"script": SCRIPT, "model": args.model, "gpu": args.gpu, "network": args.network,
            "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
            "nics_per_node": args.nics_per_node, "seq_len": args.seq_len,
-           "global_batch_tokens": args.tokens, "mfu": args.mfu, "overlap": args.overlap,
+           "global_batch_tokens": args.tokens,
+           "compute_efficiency": args.compute_efficiency, "overlap": args.overlap,
            "grad_reduce_dtype": args.grad_reduce_dtype,
            "nvlink_efficiency": args.nvlink_efficiency, "nic_efficiency": args.nic_efficiency,
            "usable_memory": args.usable_memory,
