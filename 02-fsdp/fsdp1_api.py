@@ -342,9 +342,13 @@ def train(args, api: str, strategy: str, wrap: str, d, several: bool):
                               "gathered_peak_bytes": probe.peak,
                               "root_gather_bytes": forward[0] if forward else 0,
                               "unit_gather_bytes": max(forward[1:], default=0)})
-    # A collective on every rank: the whole unsharded state dict, on rank 0's CPU
-    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                   cpu_offload=True))
+    # A collective on every rank: the whole unsharded state dict, on rank 0's CPU. Where the
+    # device is the CPU, every rank keeps it where it is gathered instead (only rank 0 uses it):
+    # torch 2.11's FSDP1 "moves" a gathered flat parameter that is already on the CPU by keeping
+    # its storage, then frees that storage, and the copy into the state dict reads freed memory
+    # (rank 0 dies with SIGSEGV); torch 2.14 skips the move for CPU parameters.
+    full_sd = get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=d.device.type != "cpu"))
     n_params = gpt_parameter_count(args.vocab, args.seq_len, args.dim, args.layers)
     comms = comm.summary()
     metrics = report.metrics(
