@@ -638,6 +638,15 @@ class MeasuredPipelineStage(PipelineStage):
         rec.events.append(("W", st.index, bwd_chunk_id, start, rec.now()))
         rec.held -= 1
 
+    def _get_init_p2p_neighbors_ops(self):
+        """The first messages to the neighbouring stages, less those to a stage on this rank.
+        ScheduleZBVZeroBubble puts stages p - 1 and p on rank p - 1, and torch 2.11's schedules
+        open every link with these messages, so that rank would send to itself, which gloo
+        refuses ("Pair is not connected"). torch 2.14 opens the links its own way (it skips a
+        stage on the same rank) and no longer asks for these."""
+        return [op for op in super()._get_init_p2p_neighbors_ops()
+                if op.group_peer != self.group_rank]
+
 
 # --------------------------------------------------------------------------------------------------
 # Training and the report
