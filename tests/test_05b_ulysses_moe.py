@@ -26,6 +26,7 @@ from dtcourse.data import classification_batch
 
 LESSON = REPO / "05-advanced" / "b-pipeline-expert-context"
 README = LESSON / "README.md"
+DROPLESS_PAGE = LESSON / "moe_dropless.md"  # the dropless MoE's deep-dive page
 ULYSSES_DOC = ("torchrun --nproc_per_node=4 05-advanced/b-pipeline-expert-context/"
                "ulysses_attention.py --sizes 2,4 --seq-lens 256,512")
 DROPLESS_DOC = "torchrun --nproc_per_node=2 05-advanced/b-pipeline-expert-context/moe_dropless.py"
@@ -37,6 +38,9 @@ LENS = (37, 50)
 HEADS, HEAD_DIM = 4, 32
 TOKENS_PER_RANK, GROUP, EXPERTS, TOP_K, AUX = 64, 16, 8, 2, 0.01
 CAPACITY = math.ceil(TOP_K * GROUP * 1.25 / EXPERTS)  # 5 slots per expert per group
+# Grouped-query attention: 8 query heads sharing 4 key/value heads (P = 2 and 4 divide both, as
+# Ulysses needs), causal, over 48 positions (an even split, so the bytes are exact)
+GQA_T, GQA_HEADS, GQA_KV = 48, 8, 4
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +86,37 @@ def test_ulysses_and_ring_equal_full_attention(workers, world):
                 torch.testing.assert_close(
                     got, want[name].float(), rtol=1e-5, atol=1e-5,
                     msg=lambda m, n=name, lay=layout, k=key: f"world {world} {k} {lay} {n}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_grouped_kv_heads_equal_full_attention_and_send_the_cost_model_bytes(workers, world):
+    c = workers[world]["gqa"]
+    # the truth in float64: every query head attends with its group's key/value head
+    q, k, v = (c[n].double().requires_grad_() for n in ("q", "k", "v"))
+    group = GQA_HEADS // GQA_KV
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
+                                         v.repeat_interleave(group, 1), is_causal=True)
+    out.backward(c["dout"].double())
+    want = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    assert c["k"].shape[1] == GQA_KV and c["q"].shape[1] == GQA_HEADS
+    for layout in ("ulysses", "ring"):
+        for name, got in zip(("out", "dq", "dk", "dv"), c[layout]):
+            # the tolerance of the multi-head test above, with the same argument: a key/value
+            # head matched to the wrong query group moves results by >= 1e-2
+            torch.testing.assert_close(got, want[name].float(), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name, lay=layout: f"{lay} {n}: {m}")
+    # the bytes rank 0 sent in forward, counted by the collective counter, against the cost
+    # model's formulas: Ulysses (P-1)/P (2H + 2H_kv) D T/P, the ring 2 (P-1) H_kv D T/P, float32
+    cost_model = lessons.load(REPO / "05-advanced" / "cost_model.py")
+    calls_and_bytes = c["traffic"]
+    for kind, counted_as in (("ulysses", "all_to_all"), ("ring", "send")):
+        expect = cost_model.context_parallel_bytes(kind, world, GQA_HEADS, GQA_KV, HEAD_DIM,
+                                                   GQA_T, batch=1, bytes_per_el=4)
+        assert calls_and_bytes[kind][f"{counted_as}_forward"][1] == expect, (kind, world)
+    # fewer than the multi-head formulas give: the ring's k, v carry H_kv / H of the heads
+    assert calls_and_bytes["ring"]["send_forward"][1] == (
+        cost_model.context_parallel_bytes("ring", world, GQA_HEADS, GQA_HEADS, HEAD_DIM, GQA_T)
+        * GQA_KV // GQA_HEADS)
 
 
 TRAFFIC = re.compile(
@@ -221,7 +256,7 @@ STEP = re.compile(r"^step\s+(\d+)/20 \| loss \S+ \| tokens per expert \[([\d, ]+
 
 
 def test_the_capacity_rule_drops_tokens_where_dropless_computes_all():
-    stdout = run_documented(README, DROPLESS_DOC).stdout
+    stdout = run_documented(DROPLESS_PAGE, DROPLESS_DOC).stdout
     steps = STEP.findall(stdout)
     assert [int(s[0]) for s in steps] == [1, 5, 10, 15, 20], stdout
     for _, per_expert, computed, total, *_ in steps:
@@ -274,6 +309,22 @@ def work(out: Path):
                 for n in got:  # the ranks' positions, in order: the whole sequence
                     case[n] = [torch.cat([p[n][i] for p in parts], dim=2) for i in range(4)]
                 saved["attention"][f"T{T}/{'causal' if causal else 'full'}"] = case
+        # grouped KV heads, causal: results and the bytes each layout sent, counted
+        inputs = ring_attention.make_inputs(0, GQA_T, 1, GQA_HEADS, HEAD_DIM, d.device, GQA_KV)
+        lo, hi = ring_attention.bounds(GQA_T, W, d.rank)
+        mine = [t[:, :, lo:hi] for t in inputs]
+        g, ring = ulysses.SeqGroup(dist.group.WORLD, GQA_T), ring_attention.Ring(d.rank, W)
+        got = {"ulysses": ulysses.counted(
+                   lambda q, k, v: ulysses.ulysses_attention(q, k, v, True, g), mine),
+               "ring": ulysses.counted(
+                   lambda q, k, v: ring_attention.RingAttention.apply(q, k, v, GQA_T, True, True,
+                                                                      ring), mine)}
+        parts = report.gather({n: [t.cpu() for t in r] for n, (r, _) in got.items()})
+        case = dict(zip(("q", "k", "v", "dout"), inputs),
+                    traffic={n: traffic for n, (_, traffic) in got.items()})
+        for n in got:
+            case[n] = [torch.cat([p[n][i] for p in parts], dim=2) for i in range(4)]
+        saved["gqa"] = case
         # The first training step of moe_dropless.py through its own build() and step. It takes
         # no optimizer step, so AdamW is left out: building one imports torch._dynamo, about
         # 1.6 s of CPU per rank on this machine.

@@ -8,7 +8,9 @@ Launch (from the repository root):
     torchrun --nproc_per_node=4 05-advanced/b-pipeline-expert-context/ring_attention.py \\
         --ring-sizes 2,3,4 --seq-lens 37,50               # rings of 2, 3 and 4, uneven blocks
 
-Rank r holds positions [r T / W, (r + 1) T / W) of q, k, v: (batch, heads, T_r, head_dim).
+Rank r holds positions [r T / W, (r + 1) T / W) of q: (batch, heads, T_r, head_dim), and of k, v:
+(batch, kv_heads, T_r, head_dim). With grouped-query attention (--kv-heads below --heads) each key
+/value head serves heads / kv_heads query heads, and only the kv_heads travel round the ring.
 Forward, W steps; at step s rank r holds the key/value block of rank (r - s) mod W:
 
     step s:  post isend(k, v -> rank r + 1) and irecv(k', v' <- rank r - 1)     (overlap)
@@ -86,6 +88,18 @@ class Ring:
         return received
 
 
+def expand_kv(x, heads: int):
+    """(B, H_kv, T, D) -> (B, H, T, D): key/value head i serves query heads i g .. (i + 1) g - 1,
+    g = H / H_kv (grouped-query attention; with H_kv = H, x itself)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def sum_groups(x, kv_heads: int):
+    """(B, H, T, D) -> (B, H_kv, T, D): the gradient of expand_kv, summed over each group."""
+    B, H, T, D = x.shape
+    return x if H == kv_heads else x.reshape(B, kv_heads, H // kv_heads, T, D).sum(2)
+
+
 def attend(q, k, v, mask, scale):
     """Softmax attention of q on one key block: output (normalised within the block) and the
     log-sum-exp of the scores per query, (B, H, T_q, 1)."""
@@ -103,17 +117,18 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, T, causal, overlap, ring):
         W, r, scale = ring.world, ring.rank, q.shape[-1] ** -0.5
         B, H, _, D = q.shape
+        Hkv = k.shape[1]                                      # only these heads travel
         out = torch.zeros_like(q)
         lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device)
         kv = (k, v)
         for s in range(W):
             j = (r - s) % W                                   # owner of the block we hold
             nxt = (r - s - 1) % W                             # the block that arrives next
-            shape = (B, H, bounds(T, W, nxt)[1] - bounds(T, W, nxt)[0], D)
+            shape = (B, Hkv, bounds(T, W, nxt)[1] - bounds(T, W, nxt)[0], D)
             pending = ring.start(kv, [shape, shape]) if s < W - 1 and overlap else None
             mask = block_mask(T, W, r, j, causal, q.device)
             if mask is not False:
-                o_s, lse_s = attend(q, kv[0], kv[1], mask, scale)
+                o_s, lse_s = attend(q, expand_kv(kv[0], H), expand_kv(kv[1], H), mask, scale)
                 new = torch.logaddexp(lse, lse_s)             # online-softmax merge
                 out = out * torch.exp(lse - new) + o_s * torch.exp(lse_s - new)
                 lse = new
@@ -129,15 +144,16 @@ class RingAttention(torch.autograd.Function):
         T, causal, overlap, ring = ctx.T, ctx.causal, ctx.overlap, ctx.ring
         W, r, scale = ring.world, ring.rank, q.shape[-1] ** -0.5
         B, H, _, D = q.shape
+        Hkv = k.shape[1]
         delta = (dout * out).sum(-1, keepdim=True)            # rowsum(dO * O), (B, H, T_r, 1)
         dq = torch.zeros_like(q)
         kv = (k, v)
         dkv_in = (torch.zeros_like(k), torch.zeros_like(v))   # our own block starts at zero
         for s in range(W):
             j, nxt = (r - s) % W, (r - s - 1) % W
-            shape = (B, H, bounds(T, W, nxt)[1] - bounds(T, W, nxt)[0], D)
+            shape = (B, Hkv, bounds(T, W, nxt)[1] - bounds(T, W, nxt)[0], D)
             pending = ring.start(kv, [shape, shape]) if s < W - 1 and overlap else None
-            kb, vb = kv
+            kb, vb = expand_kv(kv[0], H), expand_kv(kv[1], H)
             dk, dv = dkv_in
             mask = block_mask(T, W, r, j, causal, q.device)
             if mask is not False:
@@ -145,10 +161,10 @@ class RingAttention(torch.autograd.Function):
                 if mask is not None:
                     sc = sc.masked_fill(~mask, float("-inf"))
                 p = torch.exp(sc - lse)                       # the final softmax, recomputed
-                dv = dv + p.transpose(-2, -1) @ dout
+                dv = dv + sum_groups(p.transpose(-2, -1) @ dout, Hkv)
                 ds = p * (dout @ vb.transpose(-2, -1) - delta)
                 dq = dq + (ds @ kb) * scale
-                dk = dk + (ds.transpose(-2, -1) @ q) * scale
+                dk = dk + sum_groups(ds.transpose(-2, -1) @ q, Hkv) * scale
             if s < W - 1 and not overlap:
                 pending = ring.start(kv, [shape, shape])
             if W > 1:  # the block's gradients travel on with it; after W hops they are home
@@ -165,10 +181,12 @@ class RingAttention(torch.autograd.Function):
 # Every case: checked against full attention, timed with and without overlap
 
 
-def make_inputs(seed, T, batch, heads, head_dim, device):
-    """q, k, v and the upstream gradient of the whole sequence: a pure function of (seed, T)."""
+def make_inputs(seed, T, batch, heads, head_dim, device, kv_heads=None):
+    """q, k, v and the upstream gradient of the whole sequence: a pure function of (seed, T).
+    k and v have kv_heads heads (default: heads, multi-head attention)."""
     g = torch.Generator().manual_seed(seed * 1009 + T)
-    q, k, v, dout = (torch.randn(batch, heads, T, head_dim, generator=g) for _ in range(4))
+    q, k, v, dout = (torch.randn(batch, h, T, head_dim, generator=g)
+                     for h in (heads, kv_heads or heads, kv_heads or heads, heads))
     return [t.to(device) for t in (q, k, v, dout)]
 
 
@@ -199,7 +217,8 @@ def check_case(args, ring, rank, T, causal, device):
     """Ring attention with and without overlap on ranks 0..W-1, gathered, and on rank 0 compared
     with the full attention of one process. Returns this rank's inputs to the ring and, on rank
     0, (max |ring - full|, whether overlap gave bitwise the results of no overlap)."""
-    q, k, v, dout = make_inputs(args.seed, T, args.batch, args.heads, args.head_dim, device)
+    q, k, v, dout = make_inputs(args.seed, T, args.batch, args.heads, args.head_dim, device,
+                                args.kv_heads)
     got = plain = []
     mine = None
     if ring is not None:
@@ -214,7 +233,8 @@ def check_case(args, ring, rank, T, causal, device):
     # Reference on one process: the full (B, H, T, T) attention, which the ring never builds
     # (fine for checking at these sizes).
     ref = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
-    full = F.scaled_dot_product_attention(*ref, is_causal=causal)
+    full = F.scaled_dot_product_attention(ref[0], expand_kv(ref[1], args.heads),
+                                          expand_kv(ref[2], args.heads), is_causal=causal)
     full.backward(dout.cpu())
     expect = [full.detach()] + [t.grad for t in ref]
     err = max((a - b).abs().max().item() for a, b in zip(ring_out[:4], expect))
@@ -253,7 +273,7 @@ def run_case(args, ring, rank, W, T, causal, device):
     err, same = checked
     # bytes of the block of rank j; rank 0 forwards blocks 0, W-1, ..., 2 (W - 1 hops) of k and
     # v; backward: those again, plus (dk, dv) of every block once
-    block = [(bounds(T, W, j)[1] - bounds(T, W, j)[0]) * args.batch * args.heads
+    block = [(bounds(T, W, j)[1] - bounds(T, W, j)[0]) * args.batch * args.kv_heads
              * args.head_dim * 4 for j in range(W)]
     hops = sum(block[(-s) % W] for s in range(W - 1))
     # `~`: the rounding difference depends on the CPU's kernels, the ratio on the machine's speed
@@ -270,7 +290,8 @@ def run_case(args, ring, rank, W, T, causal, device):
 
 def run(args, d):
     masks = {"causal": [True], "none": [False], "both": [False, True]}[args.mask]
-    report.print0(f"ring attention | batch {args.batch} x {args.heads} heads x head_dim "
+    kv = f" ({args.kv_heads} key/value heads)" if args.kv_heads != args.heads else ""
+    report.print0(f"ring attention | batch {args.batch} x {args.heads} heads{kv} x head_dim "
                   f"{args.head_dim} | float32 | device {d.device}")
     results = []
     for W in args.ring_sizes:
@@ -283,8 +304,9 @@ def run(args, d):
     if d.rank == 0 and args.json_out:
         report.write_json(args.json_out, {
             "script": SCRIPT, "world_size": d.world_size, "batch": args.batch,
-            "heads": args.heads, "head_dim": args.head_dim, "repeats": args.repeats,
-            "device": str(d.device), "torch_version": torch.__version__, "results": results})
+            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+            "repeats": args.repeats, "device": str(d.device), "torch_version": torch.__version__,
+            "results": results})
     dist.barrier()  # the file is complete before any rank exits
 
 
@@ -304,6 +326,9 @@ def parse_args(argv=None):
                         "(default: one ring of all ranks)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads, dividing --heads (grouped-query attention; default: "
+                        "--heads)")
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3,
                    help="timed forward+backward runs per case, each with and without overlap")
@@ -314,7 +339,11 @@ def parse_args(argv=None):
     except ValueError:
         cli.fail(f"--seq-lens and --ring-sizes expect integers like 512 or 37,50, got "
                  f"{args.seq_lens!r} and {args.ring_sizes!r}")
-    cli.check_positive(args, "batch", "heads", "head_dim", "repeats", "timeout_s")
+    cli.check_positive(args, "batch", "heads", "kv_heads", "head_dim", "repeats", "timeout_s")
+    args.kv_heads = args.kv_heads or args.heads
+    if args.heads % args.kv_heads:
+        cli.fail(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}: each "
+                 f"key/value head serves a whole group of query heads")
     world = launch.launched().world_size  # before any process group: every rank fails alike
     args.ring_sizes = args.ring_sizes or [world]
     if not all(1 <= w <= world for w in args.ring_sizes):

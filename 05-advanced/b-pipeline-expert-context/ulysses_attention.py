@@ -10,6 +10,10 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 05-advanced/b-pipeline-expert-context/ulysses_attention.py
     torchrun --nproc_per_node=4 05-advanced/b-pipeline-expert-context/ulysses_attention.py \\
         --sizes 2,4 --seq-lens 256,512          # P = 2 (ranks 0-1) and P = 4 in one launch
+    torchrun --nproc_per_node=4 05-advanced/b-pipeline-expert-context/ulysses_attention.py \
+        --sizes 2,4 --seq-lens 256 --heads 8 --kv-heads 4    # grouped-query attention
+    python 05-advanced/b-pipeline-expert-context/ulysses_attention.py --formula-only \
+        --heads 64 --kv-heads 8 --head-dim 128 --seq-lens 8192 --sizes 2,4,8   # no launch
 
 Rank r holds positions [r T / P, (r + 1) T / P) of q, k, v: (batch, heads, T_r, head_dim).
 
@@ -21,6 +25,12 @@ Rank r holds positions [r T / P, (r + 1) T / P) of q, k, v: (batch, heads, T_r, 
 Forward: 4 all-to-alls (q, k, v, o), each over one rank's share B x T / P x H x D (a "block"): a
 rank keeps 1 / P of it and sends (P - 1) / P. Backward: the gradient of an all-to-all is the
 reverse all-to-all, 4 more (do in; dq, dk, dv out). Every rank must get whole heads: H % P == 0.
+
+Grouped-query attention (--kv-heads H_kv < H, each key/value head serving H / H_kv query heads):
+k and v carry H_kv heads, so their all-to-alls move H_kv / H of a block, and rank j's query heads
+j H/P .. find their key/value heads j H_kv/P .. on the same rank if P divides H_kv too. Forward,
+one rank sends (P - 1) / P x (2 H + 2 H_kv) x B x T/P x D elements; the ring 2 (P - 1) x H_kv x
+B x T/P x D (cost_model.context_parallel_bytes, which --formula-only prints).
 """
 
 import statistics
@@ -35,6 +45,7 @@ from dtcourse import cli, comm, launch, lessons, report
 
 SCRIPT = "05-advanced/b-pipeline-expert-context/ulysses_attention.py"
 ring_attention = lessons.load(Path(__file__).resolve().parent / "ring_attention.py")
+cost_model = lessons.load(Path(__file__).resolve().parents[1] / "cost_model.py")
 bounds = ring_attention.bounds  # the same cut of T positions over the ranks as the ring's
 
 
@@ -107,8 +118,11 @@ def ulysses_attention(q, k, v, causal: bool, g: SeqGroup):
     """softmax(q k^T / sqrt(d)) v over the whole sequence; q, k, v and the output split by
     position over the group's ranks."""
     qh, kh, vh = (SeqToHeads.apply(t, g) for t in (q, k, v))      # 3 all-to-alls
-    # whole sequences of H / P heads: plain attention, the causal mask needs no block logic
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)
+    # whole sequences of H / P heads (and H_kv / P key/value heads, each serving its group):
+    # plain attention, the causal mask needs no block logic
+    H = qh.shape[1]
+    o = F.scaled_dot_product_attention(qh, ring_attention.expand_kv(kh, H),
+                                       ring_attention.expand_kv(vh, H), is_causal=causal)
     return HeadsToSeq.apply(o, g)                                  # the 4th
 
 
@@ -141,14 +155,16 @@ def counted(attend, inputs):
     return results, traffic
 
 
-def formulas(P: int, block: int) -> dict:
-    """Bytes one rank sends per forward and backward; block = B x T/P x H x D x 4 bytes.
-    Ulysses: 4 all-to-alls each way, each sending (P - 1) / P of a block. Ring (ring_attention.py):
-    forward, k and v make P - 1 hops; backward, the same hops plus dk, dv once round (P hops)."""
-    ulysses = 4 * (P - 1) * block // P
+def formulas(P: int, block: int, kv_block: int) -> dict:
+    """Bytes one rank sends per forward and backward; block = B x T/P x H x D x 4 bytes, kv_block
+    the same with H_kv heads (= block without grouped KV heads). Ulysses: 4 all-to-alls each way
+    (q, out or dout, dq: a block; k, v or dk, dv: a kv block), each sending (P - 1) / P of it.
+    Ring (ring_attention.py): forward, k and v make P - 1 hops; backward, the same hops plus dk,
+    dv once round (P hops); only kv blocks travel."""
+    ulysses = 2 * (P - 1) * (block + kv_block) // P
     ring_back = 2 * (P - 1) + (2 * P if P > 1 else 0)  # one rank: no ring, nothing travels
     return {"ulysses_forward": ulysses, "ulysses_backward": ulysses,
-            "ring_forward": 2 * (P - 1) * block, "ring_backward": ring_back * block}
+            "ring_forward": 2 * (P - 1) * kv_block, "ring_backward": ring_back * kv_block}
 
 
 def full_attention_error(parts, inputs, causal):
@@ -156,7 +172,9 @@ def full_attention_error(parts, inputs, causal):
     whole = [torch.cat([p[i] for p in parts], dim=2) for i in range(4)]
     q, k, v, dout = (t.detach().cpu() for t in inputs)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*ref, is_causal=causal)
+    H = q.shape[1]
+    out = F.scaled_dot_product_attention(ref[0], ring_attention.expand_kv(ref[1], H),
+                                         ring_attention.expand_kv(ref[2], H), is_causal=causal)
     out.backward(dout)
     expect = [out.detach()] + [t.grad for t in ref]
     return max((a - b).abs().max().item() for a, b in zip(whole, expect))
@@ -182,7 +200,7 @@ def run_case(args, d, P, group, T, causal):
     inputs, each compared on rank 0 with full attention, counted and timed. Returns rank 0's row
     of the JSON (None on the other ranks)."""
     inputs = ring_attention.make_inputs(args.seed, T, args.batch, args.heads, args.head_dim,
-                                        d.device)
+                                        d.device, args.kv_heads)
     layouts, got, mine = {}, {}, None
     if d.rank < P:
         lo, hi = bounds(T, P, d.rank)
@@ -211,13 +229,16 @@ def run_case(args, d, P, group, T, causal):
     measured = {f"{n}_{ph}": got[n][1][f"{kind}_{ph}"] for n, kind in
                 (("ulysses", "all_to_all"), ("ring", "send")) for ph in ("forward", "backward")}
     block = args.batch * (T // P) * args.heads * args.head_dim * 4
+    kv_block = block * args.kv_heads // args.heads
+    even = T % P == 0
     return {"size": P, "seq_len": T, "causal": causal, "max_abs_err_vs_full": err,
-            "fwd_bwd_s": times, "block_bytes": block if T % P == 0 else None,
+            "fwd_bwd_s": times, "block_bytes": block if even else None,
+            "kv_block_bytes": kv_block if even else None,
             "measured_calls_and_bytes": measured,
-            "formula_bytes": formulas(P, block) if T % P == 0 else None}
+            "formula_bytes": formulas(P, block, kv_block) if even else None}
 
 
-def print_traffic(rows):
+def print_traffic(rows, gqa: bool):
     """Rank 0's bytes against the formulas, one line per (P, T) that P divides (with uneven
     blocks the counter's (P - 1) / P share of an all-to-all is not exact); the mask changes no
     transfer (the ring passes every block, causal or not)."""
@@ -227,33 +248,42 @@ def print_traffic(rows):
             continue
         seen.add((row["size"], row["seq_len"]))
         m, f = row["measured_calls_and_bytes"], row["formula_bytes"]
+        kv = f" kv block {row['kv_block_bytes']:7d}" if gqa else ""
         lines.append(
-            f"P={row['size']} T={row['seq_len']:5d} block {row['block_bytes']:7d} | ulysses "
+            f"P={row['size']} T={row['seq_len']:5d} block {row['block_bytes']:7d}{kv} | ulysses "
             f"{m['ulysses_forward'][0]} / {m['ulysses_backward'][0]} all-to-alls: "
             f"{m['ulysses_forward'][1]} ({f['ulysses_forward']}) / {m['ulysses_backward'][1]} "
             f"({f['ulysses_backward']}) | ring {m['ring_forward'][0]} / "
             f"{m['ring_backward'][0]} sends: {m['ring_forward'][1]} ({f['ring_forward']}) / "
             f"{m['ring_backward'][1]} ({f['ring_backward']})")
-    if lines:
+    if lines and not gqa:
         print("bytes rank 0 sends, forward / backward, measured (formula); block = B x T/P x H x "
               "D x 4; ulysses 4 (P-1)/P blocks each way; ring 2 (P-1) forward, 2 (P-1) + 2P "
               "backward", *lines, sep="\n", flush=True)
+    elif lines:
+        print("bytes rank 0 sends, forward / backward, measured (formula); block = B x T/P x H x "
+              "D x 4, kv block the same with H_kv heads; ulysses 2 (P-1)/P (block + kv block) "
+              "each way; ring 2 (P-1) kv blocks forward, 2 (P-1) + 2P backward", *lines,
+              sep="\n", flush=True)
 
 
 def run(args, d):
     masks = {"causal": [True], "none": [False], "both": [False, True]}[args.mask]
-    report.print0(f"ulysses and ring attention | batch {args.batch} x {args.heads} heads x "
+    gqa = args.kv_heads != args.heads
+    kv = f" ({args.kv_heads} key/value heads)" if gqa else ""
+    report.print0(f"ulysses and ring attention | batch {args.batch} x {args.heads} heads{kv} x "
                   f"head_dim {args.head_dim} | float32 | device {d.device}")
     # Ulysses group of P = ranks 0..P-1: every rank takes part in creating every group
     groups = {P: dist.new_group(list(range(P))) for P in args.sizes}
     rows = [run_case(args, d, P, groups[P], T, causal)
             for P in args.sizes for T in args.seq_lens for causal in masks]
     if d.rank == 0:
-        print_traffic(rows)
+        print_traffic(rows, gqa)
         if args.json_out:
             report.write_json(args.json_out, {
                 "script": SCRIPT, "world_size": d.world_size, "batch": args.batch,
-                "heads": args.heads, "head_dim": args.head_dim, "repeats": args.repeats,
+                "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                "repeats": args.repeats,
                 "device": str(d.device), "torch_version": torch.__version__, "results": rows})
     dist.barrier()  # the file is complete before any rank exits
 
@@ -274,8 +304,15 @@ def parse_args(argv=None):
                         "(default: one group of all ranks)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=4, help="H: each rank attends with H / P heads")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="H_kv key/value heads (grouped-query attention; default: H); P must "
+                        "divide it too")
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed forward+backward runs per case")
+    p.add_argument("--formula-only", action="store_true",
+                   help="print the forward bytes one rank sends per the formulas "
+                        "(cost_model.context_parallel_bytes, bf16) for --sizes and --seq-lens; "
+                        "no launch")
     args = p.parse_args(argv)
     try:
         args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
@@ -283,23 +320,48 @@ def parse_args(argv=None):
     except ValueError:
         cli.fail(f"--seq-lens and --sizes expect integers like 512 or 2,4, got "
                  f"{args.seq_lens!r} and {args.sizes!r}")
-    cli.check_positive(args, "batch", "heads", "head_dim", "repeats", "timeout_s")
-    world = launch.launched().world_size  # before any process group: every rank fails alike
-    args.sizes = args.sizes or [world]
+    cli.check_positive(args, "batch", "heads", "kv_heads", "head_dim", "repeats", "timeout_s")
+    args.kv_heads = args.kv_heads or args.heads
+    if args.heads % args.kv_heads:
+        cli.fail(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}: each "
+                 f"key/value head serves a whole group of query heads")
+    world = args.formula_only and max(args.sizes or [1]) or launch.launched().world_size
+    args.sizes = args.sizes or [world]  # before any process group: every rank fails alike
     if not all(1 <= s <= world for s in args.sizes):
         cli.fail(f"--sizes {args.sizes} must lie between 1 and the world size {world}")
     for P in args.sizes:
         if args.heads % P:
             cli.fail(f"--heads {args.heads} is not divisible by P = {P}: Ulysses gives every "
                      f"rank H / P whole heads (ring attention has no such limit)")
+        if args.kv_heads % P:
+            cli.fail(f"--kv-heads {args.kv_heads} is not divisible by P = {P}: Ulysses gives "
+                     f"every rank H_kv / P whole key/value heads (the ring has no such limit)")
     if min(args.seq_lens) < max(args.sizes):
         cli.fail(f"--seq-lens {min(args.seq_lens)} is shorter than a group of {max(args.sizes)} "
                  f"ranks: every rank needs at least one position")
     return args
 
 
+def print_formulas(args):
+    """The forward bytes per rank of both layouts at each P and T, from the formulas alone, in
+    bf16 (2 bytes an element): what a GPU run of this shape would send."""
+    print(f"forward bytes one rank sends (bf16) | {args.heads} heads, {args.kv_heads} key/value "
+          f"heads x head_dim {args.head_dim}, batch {args.batch} | "
+          f"cost_model.context_parallel_bytes")
+    for T in args.seq_lens:
+        for P in args.sizes:
+            u, r = (cost_model.context_parallel_bytes(kind, P, args.heads, args.kv_heads,
+                                                      args.head_dim, T, args.batch, 2)
+                    for kind in ("ulysses", "ring"))
+            print(f"P={P} T={T} | ulysses {u / 2**20:8.1f} MiB | ring {r / 2**20:8.1f} MiB | "
+                  f"ring / ulysses {r / u:.2f}")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.formula_only:
+        print_formulas(args)
+        return
     with launch.distributed(args.device, args.timeout_s) as d:
         run(args, d)
 
