@@ -556,6 +556,27 @@ def test_selective_recomputation_and_the_8_to_128_gpu_scaling_of_torchtitan():
     assert abs(steps[8] / steps[128] - 5605 / 5762) <= 0.01
 
 
+@pytest.mark.parametrize("ac,per_layer,redo_weights", [
+    ("none", 8, 0), ("selective", 10, H * KV + H * H + H * F_), ("full", 12, None)])
+def test_recomputation_modes_add_their_forward_work_and_tp_collectives(ac, per_layer, redo_weights):
+    """TP 2 on one node, 8B, one sequence of 8192 per micro-batch, 16 per step over DP 8: each
+    layer runs 8 TP collectives per micro-batch; full recomputation repeats the 4 forward ones and
+    the whole forward (x 4/3 of the compute), selective the 2 all-gathers and the k, o and up
+    matmuls (2 FLOPs per weight and token)."""
+    name = f"{OUT}/recompute_{ac}.json"
+    run_python(SCRIPT, "--model", "llama3.1-8b", "--gpus", "16", "--global-batch-tokens", "128Ki",
+               "--tp", "2", "--cp", "1", "--pp", "1", "--dp", "8", "--sharding", "fsdp",
+               "--batch-size", "1", "--activation-checkpointing", ac, "--json-out", name,
+               timeout=60)
+    got = read_json(REPO / name)["chosen"]
+    m, tokens = 2, 8192
+    assert got["microbatches"] == m and got["layout"]["ac"] == ac
+    assert got["terms"]["tp"]["count"] == per_layer * L * m
+    flops = tokens * (6 * N_8B + 12 * L * H * tokens) / 2        # one micro-batch on one TP rank
+    redo = flops / 3 if redo_weights is None else 2 * tokens * redo_weights * L / 2
+    close(got["compute"], m * (flops + redo) / (PEAK * EFF), f"compute, {ac}")
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input
 
