@@ -31,7 +31,7 @@ from dtcourse.models import ResidualMLP
 
 LESSON = "05-advanced/b-pipeline-expert-context"
 PP = f"{LESSON}/pipeline_parallel.py"
-README = REPO / LESSON / "README.md"
+README = REPO / LESSON / "zero_bubble.md"  # the lesson's zero-bubble page
 
 # float32 on CPU. A pipeline adds the same terms in another order (micro-batch by micro-batch;
 # zero bubble also computes the weight gradients in a separate autograd pass from saved
