@@ -1,10 +1,10 @@
 """Lesson 05d: the DDP template's training with Horovod and with TensorFlow's tf.distribute
 (05-advanced/d-other-frameworks/).
 
-Every launch is a command the README shows, run verbatim by `run_documented` (which re-checks the
-output the README quotes under it); they run a few at a time (each spends most of its time
-importing TensorFlow or meeting its peers, not computing), and the files they write serve the
-tests below. Skipped, with the reason, where Horovod or TensorFlow is not installed:
+Every launch is a command the lesson shows (its README, or one of its two deep-dive pages), run
+verbatim by `run_documented` (which re-checks the output quoted under it); they run a few at a
+time (each spends most of its time importing TensorFlow or meeting its peers, not computing), and
+the files they write serve the tests below. Skipped, with the reason, where Horovod or TensorFlow is not installed:
 `bash 05-advanced/d-other-frameworks/install_frameworks.sh` installs both (.ci/run does).
 
 What the runs train: the template's MLP (32 -> 128 -> 128 -> 10, 22,026 parameters), 10 AdamW
@@ -33,6 +33,9 @@ from dtcourse.models import MLP
 
 LESSON = "05-advanced/d-other-frameworks"
 README = REPO / LESSON / "README.md"
+# The deep-dive pages that show some of the commands (the lesson README shows the others).
+HOROVOD_PAGE = REPO / LESSON / "horovod_in_depth.md"
+TF_PAGE = REPO / LESSON / "tf_distribute_in_depth.md"
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None and shutil.which("horovodrun")
 HAVE_TF = importlib.util.find_spec("tensorflow") is not None
@@ -80,6 +83,9 @@ TF_INDEX_CMD = ("TF_CONFIG='{\"cluster\": {\"worker\": [\"127.0.0.1:29610\", "
 TF_PEER_CMD = ("TF_CONFIG='{\"cluster\": {\"worker\": [\"127.0.0.1:29610\", \"127.0.0.1:29611\"]}, "
                "\"task\": {\"type\": \"worker\", \"index\": 0}}' python "
                "05-advanced/d-other-frameworks/tf_train.py --strategy multiworker --timeout-s 5")
+
+PAGE_OF = {HVD_CYCLE_CMD: HOROVOD_PAGE, HVD_NOFUSION_CMD: HOROVOD_PAGE, HVD_SLOTS_CMD: HOROVOD_PAGE,
+           TF_FIT3_CMD: TF_PAGE, TF_FIT2_CMD: TF_PAGE, TF_INDEX_CMD: TF_PAGE}
 
 STEPS, LR, WD, GLOBAL_BATCH, WARMUP = 10, 0.02, 0.01, 64, 10
 SUM_LR = sum(LR * min(1.0, t / WARMUP) for t in range(1, STEPS + 1))  # 0.11
@@ -173,7 +179,7 @@ def plain_backward(rows: slice = slice(None), scale: float = 1.0):
 def run_all(jobs: dict) -> dict:
     """{name: (command, files it writes)} -> {name: Result or the exception it raised}."""
     def one(cmd, files):
-        return run_documented(README, cmd, *files, timeout=200)
+        return run_documented(PAGE_OF.get(cmd, README), cmd, *files, timeout=200)
     out = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         futures = {name: pool.submit(one, cmd, files) for name, (cmd, files) in jobs.items()}
@@ -523,7 +529,7 @@ def test_bad_tf_config_and_unreachable_peer_fail_with_one_line(runs):
                                 "2 (indices 0..1)"]
     assert r.elapsed < 20
 
-    assert readme_mentions(README, TF_PEER_CMD)
+    assert readme_mentions(TF_PAGE, TF_PEER_CMD)
     ports = [free_port(), free_port()]
     cmd = TF_PEER_CMD.replace("29610", str(ports[0])).replace("29611", str(ports[1]))
     r = launch(["bash", "-c", cmd], timeout=120, check=False)
