@@ -97,7 +97,13 @@ def lm_batch(seed: int, step: int, size: int, seq: int, vocab: int):
 
 
 def broadcast_from_rank0(module: nn.Module) -> None:
-    """Make every replica start from rank 0's parameters and buffers (frozen ones included)."""
+    """Make every replica start from rank 0's parameters and buffers (frozen ones included).
+
+    The hand-written wrappers call this once, when built. torch DDP does that too, and then (with
+    its default broadcast_buffers=True) broadcasts rank 0's buffers again before every forward,
+    for buffers that forward changes (BatchNorm's running statistics). TiedLM's buffer is a
+    constant, so once is enough here; a model with running statistics would need the wrappers to
+    broadcast (or all-reduce) its buffers every step as DDP does."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(tensor, src=0)

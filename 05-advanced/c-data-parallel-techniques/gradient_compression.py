@@ -12,8 +12,8 @@ A DDP comm hook replaces the all-reduce of each gradient bucket (a flat buffer h
 gradients of a group of parameters) by any function that returns a future of the averaged bucket:
 
     none      all_reduce(bucket / W)                               4 bytes per value
-    fp16      all_reduce(fp16(bucket / W)), cast back              2 bytes per value
-    bf16      all_reduce(bf16(bucket / W)), cast back              2 bytes per value (fp32 range)
+    fp16      all_reduce(fp16(bucket) / W), cast back              2 bytes per value
+    bf16      all_reduce(bf16(bucket) / W), cast back              2 bytes per value (fp32 range)
     powersgd  G (n x m) ~ P Q^T: all_reduce P (n x r), then Q (m x r)   (n + m) r values
     topk      acc = grad + residual; send the k largest |acc| (values + int32 indices)
               with all_gather; residual = acc - sent stays on this rank for the next step

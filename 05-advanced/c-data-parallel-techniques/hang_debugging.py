@@ -17,15 +17,22 @@ Launch (from the repository root); each command fails on purpose, exit status 1:
 
 What turns a silent hang into a message, all shown here:
   * the process-group timeout (`init_process_group(timeout=...)`, our --timeout-s): a collective
-    that waits longer raises instead of blocking forever (NCCL: also keep
-    TORCH_NCCL_ASYNC_ERROR_HANDLING at its default, which aborts the communicator);
+    that waits longer raises instead of blocking forever (NCCL: TORCH_NCCL_ASYNC_ERROR_HANDLING's
+    default, 3, tears the process down without aborting the communicators, so that an abort that
+    itself hangs cannot keep the job alive; 2 aborts the communicators and keeps the process, 1
+    does both);
   * TORCH_DISTRIBUTED_DEBUG=DETAIL (--debug detail, the default): before every collective the
     ranks compare what they are about to run (op, shapes, dtypes) and a monitored barrier names
     the rank that did not arrive. It costs an extra round trip per collective: debugging only;
   * a stack dump of every rank that is still stuck (faulthandler here; `py-spy dump --pid PID`
     from outside on a live job), which shows *where* each rank waits;
-  * on NCCL, the flight recorder: TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1
-    write the last collectives of every rank when one times out.
+  * on NCCL, the flight recorder: each rank keeps its last collectives in a ring buffer (2000
+    entries by default) and writes them when the watchdog times out, to files named by
+    TORCH_FR_DUMP_TEMP_FILE (older name TORCH_NCCL_DEBUG_INFO_TEMP_FILE; default prefix
+    /tmp/nccl_trace_rank_, one file per rank); `torchfrtrace DIR` (python -m
+    torch.distributed.flight_recorder.fr_trace) reads the ranks' files together and names the
+    collective they disagree on. On NCCL a py-spy stack shows where the host next waits (a
+    .item(), a synchronize), not the collective that hung: the host only queued it.
 
 The bugs run on gloo (CPU) and the errors quoted are gloo's; the same tools apply on NCCL.
 """
