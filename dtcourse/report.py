@@ -25,10 +25,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def print0(*args, **kwargs) -> None:
-    """print() on rank 0 only, flushed (ranks share a terminal; unflushed lines arrive late)."""
+def print0(*args, sep: str = " ", end: str = "\n", file=None) -> None:
+    """print() on rank 0 only, as one write, flushed. Ranks share a terminal (or a launcher's
+    pipe): unflushed lines arrive late, and under `python -u` (the deepspeed launcher's) print()
+    writes the text and its newline in two calls, so another rank's line can land between them."""
     if _rank() == 0:
-        print(*args, **kwargs, flush=True)
+        file = file or sys.stdout
+        file.write(sep.join(str(a) for a in args) + end)
+        file.flush()
 
 
 class _Silent:
