@@ -21,6 +21,7 @@ from dtcourse.models import MLP
 
 LESSON = "05-advanced/c-data-parallel-techniques"
 README = REPO / LESSON / "README.md"
+RECORD_PAGE = REPO / LESSON / "record_loader.md"  # the record file's command and its output
 ACCUM = f"{LESSON}/gradient_accumulation.py"
 DATA = f"{LESSON}/data_loading.py"
 
@@ -164,12 +165,12 @@ def test_variable_length_flags_are_checked():
 # --------------------------------------------------------------------------------------------------
 # Data loading: the quasi-random order and the page-aligned record file
 
-IMAGES, BLOCK, BATCH = 512, 8, 16  # the README command; the script's --block-records, --batch-size
+IMAGES, BLOCK, BATCH = 512, 8, 16  # the page's command; the script's --block-records, --batch-size
 
 
 @pytest.fixture(scope="module")
 def records():
-    run_documented(README, RECORDS_CMD, "runs/dp_records.json")
+    run_documented(RECORD_PAGE, RECORDS_CMD, "runs/dp_records.json")
     return read_json(REPO / "runs/dp_records.json")
 
 

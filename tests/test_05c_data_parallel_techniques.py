@@ -9,8 +9,10 @@ worker, tests/workers_05c/mechanisms.py. The README's quoted outputs that do not
 machine's speed are compared with a fresh run of the command above them.
 """
 
+import importlib
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -451,3 +453,30 @@ def test_readme_outputs_are_those_of_a_fresh_run(command):
     assert readme_mentions(README, command), f"not in {README}: {command}"
     result = run_readme_command(command, timeout=240)
     assert_same_output(result.stdout.splitlines(), quoted_output(command), command)
+
+
+# --------------------------------------------------------------------------------------------------
+# NCCL's error handling and flight recorder, as the lesson describes them, against installed torch
+
+
+def test_nccl_error_handling_and_flight_recorder_are_described_as_torch_defines_them():
+    """hang_debugging.py and hang_forensics.md name TORCH_NCCL_ASYNC_ERROR_HANDLING's default and
+    what 2 does as torch's own header defines them, the flight recorder's default buffer as its
+    header sets it, and a reader for the dumps that this torch installs. The header is read from
+    torch's include directory (shipped with every wheel), not from a GPU run."""
+    include = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d"
+    pg = (include / "ProcessGroupNCCL.hpp").read_text()
+    modes = dict((int(v), k) for k, v in re.findall(r"^\s*(\w+) = (\d),?$", pg, flags=re.M))
+    default = int(re.search(r"default value \((\d) - (\w+)\)", pg).group(1))
+    assert (default, modes[default], modes[2]) == (3, "SkipCleanUp", "CleanUpOnly")
+    fr = (include / "FlightRecorder.hpp").read_text()
+    buffer = int(re.search(r'"TORCH_NCCL_TRACE_BUFFER_SIZE"\},\s*(\d+)\)', fr).group(1))
+    script = (REPO / HANG).read_text()
+    forensics = (REPO / LESSON / "hang_forensics.md").read_text()
+    for text in (" ".join(script.split()), " ".join(forensics.split())):
+        assert f"default, {default}, tears the process down without aborting the" in text
+        assert "2 aborts the communicators" in text or "2 only aborts them" in text
+        assert "torchfrtrace" in text and "TORCH_FR_DUMP_TEMP_FILE" in text
+    assert f"the buffer holds {buffer} entries" in " ".join(forensics.split())
+    fr_trace = importlib.import_module("torch.distributed.flight_recorder.fr_trace")
+    assert callable(fr_trace.main)

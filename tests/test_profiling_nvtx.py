@@ -11,9 +11,9 @@
 - The README's profiling command, run verbatim (its quoted output re-checked), writes Chrome
   traces that are valid JSON: every recorded step holds data, forward, backward, barrier,
   allreduce and optimizer once each, in that order, inside the step, and gloo runs the all-reduce
-  on a worker thread inside the `allreduce` range. The README's drawing command draws those files; given a
-  CUDA run's trace instead (NCCL kernels on a GPU stream, no gloo threads), the drawing gives the
-  NCCL kernels their own lane.
+  on a worker thread inside the `allreduce` range. The drawing command of profiling_traces.md
+  draws those files; given a CUDA run's trace instead (NCCL kernels on a GPU stream, no gloo
+  threads), the drawing gives the NCCL kernels their own lane.
 """
 
 import json
@@ -26,6 +26,7 @@ import dtcourse.profiling
 from conftest import PYTHON, REPO, launch, load_script, readme_mentions, run_documented
 
 README = REPO / "05-advanced/c-data-parallel-techniques/README.md"
+TRACES_PAGE = REPO / "05-advanced/c-data-parallel-techniques/profiling_traces.md"  # the drawing
 REGIONS = ["data", "forward", "backward", "barrier", "allreduce", "optimizer"]
 
 # The README commands, verbatim (held here, so tests/test_readmes.py does not run them again).
@@ -212,9 +213,9 @@ def png_size(path) -> tuple[int, int]:
 
 
 def test_the_readme_figure_is_drawn_from_the_trace_files(traces, tmp_path):
-    """The README's drawing command, into a temporary file (the committed PNG stays as it is): a
-    PNG of the committed one's size, drawn from the trace files just written."""
-    assert readme_mentions(README, DRAW_DOC)
+    """profiling_traces.md's drawing command, into a temporary file (the committed PNG stays as
+    it is): a PNG of the committed one's size, drawn from the trace files just written."""
+    assert readme_mentions(TRACES_PAGE, DRAW_DOC)
     _, script, trace_dir, committed = DRAW_DOC.split()
     out = tmp_path / "timeline.png"
     result = launch([PYTHON, script, trace_dir, out], timeout=120)
