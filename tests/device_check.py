@@ -16,7 +16,14 @@ pass reads the source (the `ast` of each script) and reports:
   bare-cuda      `.cuda(...)` or a `torch.cuda.*` call outside the branch that has tested for
                  CUDA (`if device.type == "cuda":`, its `else` of a `!=` test, `x if cuda else y`,
                  or after an early `if ... != "cuda": return`): it fails on a machine without a
-                 GPU (the calls that are safe there, like manual_seed or is_available, aside).
+                 GPU (the calls that are safe there, like manual_seed or is_available, aside);
+  offload-group  FSDP CPU offload (FSDP2's CPUOffloadPolicy(...), FSDP1's
+                 CPUOffload(offload_params=...)) in a script whose process group is NCCL-only on
+                 CUDA: a dtcourse setup(...) / distributed(...) without cpu_collectives, or
+                 init_process_group("nccl"). The offloaded gradient shards are CPU tensors and
+                 clip_grad_norm_ all-reduces their norms there: on NCCL alone the first step
+                 fails (pytorch#148532); "cpu:gloo,cuda:nccl" (cpu_collectives=...) routes them
+                 to gloo.
 
 A collective on a group meant to be gloo (an argument that names gloo or cpu) and scripts that
 refuse CUDA by design (they say why in GLOO_ONLY) are exempt. What no reading of the source can
@@ -174,6 +181,45 @@ class _Checker(ast.NodeVisitor):
         return False
 
 
+def _offload_group(tree: ast.AST, path: str) -> list[str]:
+    """offload-group: the module offloads FSDP state to the CPU and starts a group that has no
+    CPU backend on CUDA."""
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+
+    def name(call: ast.Call) -> str:
+        return ast.unparse(call.func).rsplit(".", 1)[-1]
+
+    def offloads(call: ast.Call) -> bool:
+        if name(call) == "CPUOffloadPolicy":
+            return True
+        if name(call) == "CPUOffload":
+            arg = call.args[0] if call.args else next(
+                (k.value for k in call.keywords if k.arg == "offload_params"), None)
+            return arg is not None and not (isinstance(arg, ast.Constant) and not arg.value)
+        return False
+
+    if not any(offloads(c) for c in calls):
+        return []
+    found = []
+    for call in calls:
+        if name(call) in ("setup", "distributed") and (
+                ast.unparse(call.func) in ("setup", "distributed")
+                or ast.unparse(call.func).endswith(("launch.setup", "launch.distributed"))):
+            if len(call.args) < 3 and not any(k.arg == "cpu_collectives"
+                                              for k in call.keywords):
+                found.append(f"{path}:{call.lineno}: offload-group: {ast.unparse(call.func)}() "
+                             "without cpu_collectives in a script that offloads to the CPU: "
+                             "on CUDA an NCCL-only group cannot all-reduce the offloaded "
+                             "gradients (pass cpu_collectives=args.cpu_offload)")
+        if name(call) == "init_process_group":
+            backend = call.args[0] if call.args else next(
+                (k.value for k in call.keywords if k.arg == "backend"), None)
+            if isinstance(backend, ast.Constant) and backend.value == "nccl":
+                found.append(f"{path}:{call.lineno}: offload-group: init_process_group('nccl') "
+                             "in a script that offloads to the CPU: use 'cpu:gloo,cuda:nccl'")
+    return found
+
+
 def check_source(source: str, path: str = "<source>") -> list[str]:
     """Findings for one file's source, each 'path:line: kind: what'."""
     tree = ast.parse(source)
@@ -182,6 +228,7 @@ def check_source(source: str, path: str = "<source>") -> list[str]:
         return []  # refuses --device cuda by design (receive-from-any-source and the like)
     checker = _Checker(path)
     checker.visit(tree)
+    checker.findings += _offload_group(tree, path)
     return list(dict.fromkeys(checker.findings))  # a nested function is walked twice
 
 

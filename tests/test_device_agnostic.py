@@ -103,3 +103,54 @@ def moved(device, world, gloo_pg):
         torch.cuda.synchronize(device)
     dist.recv(other.to(device), src=0)
 """) == []
+
+
+# FSDP's CPU offload on a group with no CPU backend: 02-fsdp's fsdp_transformer.py and
+# fsdp1_api.py offloaded before they passed cpu_collectives to the group's setup, and on CUDA the
+# first clip_grad_norm_ all-reduced CPU tensors on NCCL alone. Their lines as they were:
+OFFLOAD_ONCE_SHIPPED = {
+    "fsdp_transformer": """
+def shard(model, args, device):
+    kw = {}
+    if args.cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+def main(args):
+    with launch.distributed(args.device, args.timeout_s) as d:
+        model.to_empty(device="cpu" if args.cpu_offload else d.device)
+""",
+    "fsdp1_api": """
+def wrap(model, args, d):
+    return FullyShardedDataParallel(
+        model,
+        cpu_offload=CPUOffload(offload_params=args.cpu_offload),
+    )
+def main(args):
+    d = setup(args.device, args.timeout_s)
+    dist.init_process_group("nccl")
+""",
+}
+
+
+@pytest.mark.parametrize("name", OFFLOAD_ONCE_SHIPPED)
+def test_the_check_finds_cpu_offload_on_an_nccl_only_group(name):
+    found = check_source(OFFLOAD_ONCE_SHIPPED[name])
+    kinds = [f.split(": ")[1] for f in found]
+    assert kinds == ["offload-group"] * (1 if name == "fsdp_transformer" else 2), found
+
+
+def test_cpu_offload_with_a_cpu_backend_passes():
+    assert check_source("""
+def main(args):
+    kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    with launch.distributed(args.device, args.timeout_s, cpu_collectives=args.cpu_offload) as d:
+        pass
+    d = setup(args.device, args.timeout_s, True)
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    FullyShardedDataParallel(model, cpu_offload=CPUOffload(offload_params=False))
+""") == []
+    # no offload: an NCCL-only group is right
+    assert check_source("""
+def main(args):
+    with launch.distributed(args.device, args.timeout_s) as d:
+        pass
+""") == []
