@@ -16,6 +16,13 @@ Convention (every Markdown file of the repository):
     followed by a unit of time or rate (s, ms, us, GB/s, samples/s, tokens/s, ...), or written with
     a leading `~` (a timing in a table, a share of time, a count that depends on scheduling);
   - a line `...` stands for lines left out;
+  - a rounding-level figure must carry `~`: a decimal (not a count) in a line that prints a
+    tolerance ("tolerance 0.0001", "tol=1e-05", "< 1e-05") and below it, or, in a line about a
+    difference ("diff", "difference", "max |a - b|", "error"), after those words and below
+    DIFF_TOLERANCE (the float32 tolerance the equivalence tests use); a zero is exact. Such a figure is float32
+    rounding: its digits depend on the CPU's kernels (03-deepspeed quoted a logit difference
+    2.86e-06 that another CPU printed as 3.81e-06), so it is refused unmarked on every machine,
+    before any run, and not compared once marked;
   - `rel=X` after the block's language (```text rel=0.02) widens the 0.5% to X for that quote: a
     run whose trajectory rounding changes visibly (a convnet trained for two epochs) says so.
 
@@ -30,6 +37,10 @@ NUMBER = re.compile(r"(~?)(?<![\w.])(-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?)")
 TIMED = re.compile(r"\s?(?:ns|us|µs|ms|s|sec|min|h|GB/s|MB/s|KB/s|GiB/s|MiB/s|Gb/s|samples/s|"
                    r"tokens/s|tok/s|it/s|steps/s|TFLOP/s|TFLOPS|GFLOP/s|ms/step|s/step|s/it)"
                    r"(?![\w/])")
+# a rounding-level figure (see the module's docstring) must be written with a leading ~
+DIFF_TOLERANCE = 1e-4
+DIFF_CONTEXT = re.compile(r"diff|difference|error|max\s*\|[^|]*-[^|]*\|", re.I)
+TOLERANCE_AT = re.compile(r"(?:tolerance|tol|atol|rtol)\s*[=:]?\s*|<=?\s*|≤\s*", re.I)
 FORBIDDEN = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d|0x[0-9a-f]{6,}")
 
 
@@ -75,6 +86,25 @@ def numbers(line: str) -> list[tuple[str, bool]]:
     return out
 
 
+def unmarked_rounding(line: str) -> list[str]:
+    """The figures of a quoted line that are rounding-level and carry no `~`."""
+    found = [(m.start(2), m.group(2), bool(m.group(1))) for m in NUMBER.finditer(line)]
+    tolerance_at = {m.end() for m in TOLERANCE_AT.finditer(line)}
+    tolerances = [value(p) for at, p, _ in found if at in tolerance_at]
+    limit = max(tolerances, default=None)
+    diff = DIFF_CONTEXT.search(line)
+    bad = []
+    for at, printed, marked in found:
+        is_decimal = "." in printed or "e" in printed.lower()
+        if marked or at in tolerance_at or not is_decimal or value(printed) == 0 \
+                or TIMED.match(line, at + len(printed)):
+            continue  # a zero is exact (and compared to its last digit, which covers rounding)
+        if (limit is not None and abs(value(printed)) < limit) or (
+                diff and at > diff.start() and abs(value(printed)) < DIFF_TOLERANCE):
+            bad.append(printed)
+    return bad
+
+
 def value(printed: str) -> float:
     return float(printed.replace(",", ""))
 
@@ -110,6 +140,10 @@ def check(quote: str, output: str, rel: float = 0.005) -> list[str]:
             continue
         if FORBIDDEN.search(line):
             problems.append(f"quotes a timestamp or an address, which no run reproduces: {line!r}")
+            continue
+        if unmarked_rounding(line):
+            problems.append(f"rounding-level figures {unmarked_rounding(line)} quoted without "
+                            f"~ (their digits depend on the CPU): {line!r}")
             continue
         candidates = [i for i, out in enumerate(fresh)
                       if i not in used and shape(out) == shape(line)]
