@@ -11,7 +11,11 @@ GPU table's lookup runs on any machine). With one GPU:
     model and batch (asserted: the peak holds at least the model states the estimator counts);
   * tokens/s and MFU of `fsdp_transformer.py` in bf16 (6N + 12LHQT FLOPs per token over the GPU's
     dense bf16 peak), printed with the GPU's name;
-  * HBM copy bandwidth, the single-GPU bound for the bandwidth test.
+  * HBM copy bandwidth, the single-GPU bound for the bandwidth test;
+  * one strategy's peak memory measured in its own process and again after another strategy ran
+    in the same process (as fsdp_transformer.py and distributed_benchmarks.py run them): equal.
+    A CPU test beside it checks the sequencing itself: every object of the previous strategy is
+    freed when the next one resets its peak.
 
 The figures are printed (run with -s to see them) for the READMEs and benchmarks/results/.
 It needs only what the GPU machine already has (its torch; deepspeed and fairscale installed from
@@ -22,6 +26,8 @@ untested on NCCL until a multi-GPU node runs the READMEs' commands.
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -232,3 +238,74 @@ def test_hbm_copy_bandwidth():
     if peak is None:
         pytest.skip(f"{name} is not in HBM_GBPS: measured {gbps:,.0f} GB/s, nothing to compare")
     assert 0.5 * peak < gbps <= 1.02 * peak
+
+
+# -- peak memory in sequence ------------------------------------------------------------------------
+# fsdp_transformer.py trains its strategies one after the other in one process, and
+# distributed_benchmarks.py launches it so (all FSDP strategies in one launch). Each strategy's peak
+# starts at report.reset_peak; if the previous strategy's model, gradients or optimizer were still
+# alive there, every later peak would include them.
+SEQ_SHAPE = ["--layers", "2", "--dim", "256", "--heads", "4", "--seq-len", "64", "--batch-size", "4",
+             "--steps", "3"]
+
+
+@gpu
+def test_a_strategys_peak_is_the_same_alone_and_after_another(tmp_path):
+    """Tolerance: 1% of the peak plus 1 MiB. Both processes allocate the same tensors for the
+    measured strategy; what may differ is what the CUDA libraries keep allocated between
+    strategies (cuBLAS's workspace, taken from torch's allocator at the first matmul and kept),
+    a few MiB at most. The bug it catches is far larger: DDP's model states left alive are 16
+    bytes per parameter (weights, gradients, two Adam moments in fp32), asserted above the
+    tolerance."""
+    peaks = {}
+    for tag, strategies in (("alone", ["full"]), ("after ddp", ["ddp", "full"])):
+        metrics = tmp_path / f"{tag.replace(' ', '_')}.json"
+        run_torchrun("02-fsdp/fsdp_transformer.py", "--strategy", *strategies, *SEQ_SHAPE,
+                     "--device", "cuda", "--metrics-out", metrics, nproc=1, timeout=300, env=GPUS)
+        m = read_json(metrics)
+        runs = m["runs"] if "runs" in m else {m["strategy"]: m}
+        peaks[tag] = runs["full"]["per_rank"][0]["peak_bytes"]
+        params = runs["full"]["per_rank"][0]["param_bytes"] // 4
+    tolerance = 0.01 * peaks["alone"] + 2**20
+    print(f"\n{torch.cuda.get_device_name()}: peak of full alone {peaks['alone']:,} B, after ddp "
+          f"{peaks['after ddp']:,} B (tolerance {tolerance:,.0f} B)")
+    assert 16 * params > tolerance  # the bug would show
+    assert abs(peaks["after ddp"] - peaks["alone"]) <= tolerance, peaks
+
+
+SEQUENCE_PROBE = """
+import sys, weakref
+sys.path[:0] = ["02-fsdp", "."]
+import importlib.util
+spec = importlib.util.spec_from_file_location("fsdp_transformer", "02-fsdp/fsdp_transformer.py")
+ft = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ft)
+built, at_reset = [], []
+build, reset_peak = ft.build, ft.report.reset_peak
+def watched_build(args, strategy, d):
+    model, mesh, optimizer = build(args, strategy, d)
+    built.append((strategy, [weakref.ref(model), weakref.ref(optimizer)]
+                  + [weakref.ref(p) for p in model.parameters()]))
+    return model, mesh, optimizer
+def watched_reset(device):
+    out = reset_peak(device)
+    at_reset.append({s: sum(r() is not None for r in refs) for s, refs in built})
+    return out
+ft.build, ft.report.reset_peak = watched_build, watched_reset
+ft.main(sys.argv[1:])
+print("ALIVE AT RESET", at_reset)
+"""
+
+
+def test_the_previous_strategy_is_freed_before_the_next_peak_starts():
+    """On any machine: fsdp_transformer.py run in one process with two strategies; at the second
+    strategy's reset_peak, no module, optimizer or parameter of the first is still alive (held
+    by a reference or a cycle the collector has not freed), so the second peak is its own."""
+    out = subprocess.run(
+        [sys.executable, "-c", SEQUENCE_PROBE, "--strategy", "ddp", "full", "--steps", "3",
+         "--layers", "1", "--dim", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "2",
+         "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    alive = eval(out.stdout.split("ALIVE AT RESET", 1)[1])
+    assert alive == [{}, {"ddp": 0}], alive
