@@ -17,7 +17,9 @@ GPU table's lookup runs on any machine). With one GPU:
     A CPU test beside it checks the sequencing itself: every object of the previous strategy is
     freed when the next one resets its peak.
 
-The figures are printed (run with -s to see them) for the READMEs and benchmarks/results/.
+The figures are printed (run with -s to see them) for the READMEs and benchmarks/results/, and
+recorded (`record`) where DTCOURSE_GPU_FIGURES names a file: benchmarks/gpu_check.py collects them
+there into its JSON and table.
 It needs only what the GPU machine already has (its torch; deepspeed and fairscale installed from
 wheels): nothing here installs anything. One GPU cannot run a multi-rank NCCL job; those stay
 untested on NCCL until a multi-GPU node runs the READMEs' commands.
@@ -39,6 +41,21 @@ from test_launchers import TRAINING_SCRIPTS
 NO_GPU = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="no CUDA GPU on this machine: the GPU tier runs where one is (pytest -m gpu tests)")
+
+
+def record(test: str, name: str, value) -> None:
+    """Append one measured figure to the file DTCOURSE_GPU_FIGURES names (if it does)."""
+    import json
+    path = os.environ.get("DTCOURSE_GPU_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, "name": name, "value": value}) + "\n")
+
+
+def timings(metrics: dict) -> dict:
+    """The speed figures of a script's metrics: keys that name a time or a rate."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(
+        v, bool) and re.search(r"(^time|_s|_ms|_time)$", k) and not k.startswith("timeout")}
 
 
 def gpu(test):
@@ -77,6 +94,10 @@ def test_training_script_runs_on_one_gpu(tmp_path, script, args):
         assert all(math.isfinite(x) for x in run.get("losses", [])), run.get("losses")
         peaks = [r["peak_bytes"] for r in run.get("per_rank", [])]
         assert all(p and p > 0 for p in peaks), f"{script}: peak CUDA memory {peaks}"
+        tag = script + (f" [{run['strategy']}]" if "strategy" in run and len(runs) > 1 else "")
+        for name, value in timings(run).items():
+            record(tag, name, value)
+        record(tag, "peak_bytes rank 0", peaks[0] if peaks else None)
 
 
 # Scripts that demonstrate rather than train: each at world 1 on CUDA (every collective a copy,
@@ -145,6 +166,11 @@ def test_ddp_peak_memory_beside_the_estimator(tmp_path):
     print(f"\n{torch.cuda.get_device_name()}: DDP peak {peak:,} B; estimator: model states "
           f"{predicted['params_bytes'] + predicted['grads_bytes'] + predicted['optim_bytes']:,} B,"
           f" activations {predicted['activations_bytes']:,} B, total {predicted['total_bytes']:,} B")
+    record("ddp peak vs estimator", "gpu", torch.cuda.get_device_name())
+    record("ddp peak vs estimator", "measured peak_bytes", peak)
+    record("ddp peak vs estimator", "estimated total_bytes", predicted["total_bytes"])
+    record("ddp peak vs estimator", "estimated model-state bytes",
+           predicted["params_bytes"] + predicted["grads_bytes"] + predicted["optim_bytes"])
     assert peak >= predicted["params_bytes"] + predicted["grads_bytes"] + predicted["optim_bytes"]
 
 
@@ -157,6 +183,9 @@ def test_fsdp_transformer_tokens_per_s_and_mfu(tmp_path):
     m = read_json(metrics)
     print(f"\n{torch.cuda.get_device_name()}: {m['tokens_per_s']:,.0f} tokens/s, MFU "
           f"{m['mfu']}")
+    record("fsdp_transformer bf16", "gpu", torch.cuda.get_device_name())
+    record("fsdp_transformer bf16", "tokens_per_s", m["tokens_per_s"])
+    record("fsdp_transformer bf16", "mfu", m["mfu"])
     assert m["tokens_per_s"] > 0
     assert m["mfu"] is None or 0 < m["mfu"] < 1  # None: a GPU whose peak the script does not know
 
@@ -234,6 +263,8 @@ def test_hbm_copy_bandwidth():
     torch.cuda.synchronize()
     gbps = 10 * 2 * x.numel() * x.element_size() / (start.elapsed_time(end) / 1e3) / 1e9
     peak = hbm_peak(name)
+    record("hbm copy", "GB/s", round(gbps, 1))
+    record("hbm copy", "data sheet GB/s", peak)
     print(f"\n{name}: HBM copy {gbps:,.0f} GB/s (data sheet: {peak or 'not in the table'})")
     if peak is None:
         pytest.skip(f"{name} is not in HBM_GBPS: measured {gbps:,.0f} GB/s, nothing to compare")
@@ -269,6 +300,8 @@ def test_a_strategys_peak_is_the_same_alone_and_after_another(tmp_path):
     tolerance = 0.01 * peaks["alone"] + 2**20
     print(f"\n{torch.cuda.get_device_name()}: peak of full alone {peaks['alone']:,} B, after ddp "
           f"{peaks['after ddp']:,} B (tolerance {tolerance:,.0f} B)")
+    record("peak in sequence", "full alone peak_bytes", peaks["alone"])
+    record("peak in sequence", "full after ddp peak_bytes", peaks["after ddp"])
     assert 16 * params > tolerance  # the bug would show
     assert abs(peaks["after ddp"] - peaks["alone"]) <= tolerance, peaks
 

@@ -1,0 +1,172 @@
+"""One call on a GPU machine: install what the course needs beyond torch, run the GPU tier, and
+write every figure it measured to one JSON file and one Markdown table.
+
+    python benchmarks/gpu_check.py --wheels benchmarks/wheels --out gpu_check_out
+
+It is made for a machine that has its own torch (say 2.11 on Python 3.12) and no package registry,
+and it finishes in under 8 minutes: each part has a time budget, and a part that runs past it is
+stopped and reported as such, with what it measured so far.
+
+  1. install     deepspeed and fairscale (and their pure-Python dependencies) from the wheels in
+                 --wheels, with pip --no-index (budget 90 s). Nothing is fetched.
+  2. GPU tier    `python -m pytest -m gpu tests -n 0` (budget: what is left, at most 330 s). Its
+                 tests record their figures in a JSON-lines file (DTCOURSE_GPU_FIGURES): the GPU's
+                 name, tokens/s and MFU of 02-fsdp/fsdp_transformer.py in bf16, a DDP run's peak
+                 memory beside the memory estimator's prediction, one strategy's peak alone and
+                 after another, HBM copy bandwidth, and each training script's timings on CUDA.
+  3. report      gpu_check.json (every figure, every part's status and seconds, the versions)
+                 and gpu_check.md (the same as a table).
+
+Without a CUDA GPU it installs and runs nothing, and writes both files saying that it skipped.
+
+Fetching the wheels (on a machine with a registry, for the GPU machine's Python 3.12):
+
+    mkdir -p benchmarks/wheels
+    # deepspeed and fairscale publish source distributions: build pure-Python wheels of the
+    # versions the course runs (DeepSpeed compiles its CUDA ops just in time, on the GPU machine);
+    # --no-build-isolation builds against the torch installed here instead of fetching one
+    pip wheel --no-deps --no-build-isolation -w benchmarks/wheels \
+        deepspeed==$(python -c 'import deepspeed; print(deepspeed.__version__)') fairscale==0.4.13
+    # their dependencies, as wheels for CPython 3.12 on x86-64 Linux (torch is the machine's own)
+    pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d benchmarks/wheels \
+        einops hjson msgpack ninja numpy packaging psutil py-cpuinfo pydantic tqdm
+
+Do not fetch deepspeed with `pip download --only-binary=:all: ... deepspeed`: the only wheel on
+the index is an old pre-release (0.3.1.dev5), which it takes without a word; fairscale has no
+wheel at all. Copy the folder to the GPU machine with the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOTAL_BUDGET_S = 480  # 8 minutes, the whole call
+INSTALL_BUDGET_S = 90
+TIER_BUDGET_S = 330
+PACKAGES = ["deepspeed", "fairscale"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Fetching the wheels: see the top of this file.")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_check",
+                   help="folder for gpu_check.json and gpu_check.md (created)")
+    p.add_argument("--wheels", type=Path, default=REPO / "benchmarks" / "wheels",
+                   help="folder of wheels for deepspeed, fairscale and their dependencies")
+    p.add_argument("--no-install", action="store_true",
+                   help="use the deepspeed and fairscale already installed")
+    p.add_argument("--tier-budget-s", type=float, default=TIER_BUDGET_S,
+                   help=f"seconds for the GPU tier (default {TIER_BUDGET_S})")
+    return p.parse_args(argv)
+
+
+def versions() -> dict:
+    import torch
+    found = {"python": platform.python_version(), "torch": torch.__version__,
+             "cuda": torch.version.cuda}
+    for name in PACKAGES:
+        try:
+            found[name] = __import__(name).__version__
+        except Exception:  # not installed, or fails to import on this machine
+            found[name] = None
+    return found
+
+
+def run_part(cmd: list, budget_s: float, env: dict | None = None) -> dict:
+    """Run one part with a timeout; its status, seconds and the tail of its output."""
+    start = time.monotonic()
+    try:
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=max(budget_s, 1))
+        status = "passed" if out.returncode == 0 else f"failed (exit {out.returncode})"
+        text = out.stdout + out.stderr
+    except subprocess.TimeoutExpired as e:
+        status = f"timed out after {budget_s:.0f} s"
+        text = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
+                else (e.stdout or ""))
+    return {"status": status, "seconds": round(time.monotonic() - start, 1),
+            "output_tail": text[-4000:]}
+
+
+def install(wheels: Path, budget_s: float) -> dict:
+    if not wheels.is_dir():
+        return {"status": f"skipped: no wheel folder {wheels}", "seconds": 0.0}
+    return run_part([sys.executable, "-m", "pip", "install", "--no-index", "--find-links",
+                     str(wheels), *PACKAGES], budget_s)
+
+
+def gpu_tier(figures_file: Path, budget_s: float) -> dict:
+    env = {**os.environ, "DTCOURSE_GPU_FIGURES": str(figures_file)}
+    part = run_part([sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-n", "0", "-q", "-s",
+                     "-p", "no:cacheprovider"], budget_s, env)
+    summary = re.findall(r"=+ (.*(?:passed|failed|skipped|error).*?) =+", part["output_tail"])
+    part["summary"] = summary[-1] if summary else None
+    return part
+
+
+def read_figures(figures_file: Path) -> list[dict]:
+    if not figures_file.exists():
+        return []
+    return [json.loads(line) for line in figures_file.read_text().splitlines() if line.strip()]
+
+
+def table(result: dict) -> str:
+    lines = ["# GPU check", ""]
+    if result.get("skipped"):
+        lines += [f"Skipped: {result['skipped']}.", ""]
+    lines += ["| what | value |", "|---|---|"]
+    for key in ("gpu", "python", "torch", "cuda", "deepspeed", "fairscale"):
+        lines.append(f"| {key} | {result.get(key) if result.get(key) is not None else '-'} |")
+    for name, part in result.get("parts", {}).items():
+        extra = f", {part['summary']}" if part.get("summary") else ""
+        lines.append(f"| part: {name} | {part['status']}, {part['seconds']} s{extra} |")
+    lines.append(f"| total | {result['seconds']} s |")
+    if result.get("figures"):
+        lines += ["", "| test | figure | value |", "|---|---|---|"]
+        for f in result["figures"]:
+            lines.append(f"| {f['test']} | {f['name']} | {f['value']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+    result: dict = {"skipped": None, "gpu": None, **versions(), "parts": {}, "figures": []}
+    if not torch.cuda.is_available():
+        result["skipped"] = (f"no CUDA GPU on this machine (torch {torch.__version__}, "
+                             "torch.cuda.is_available() is False): nothing installed or measured")
+    else:
+        result["gpu"] = torch.cuda.get_device_name()
+        if not args.no_install:
+            result["parts"]["install"] = install(args.wheels, INSTALL_BUDGET_S)
+            result.update({k: v for k, v in versions().items() if k in PACKAGES})
+        figures_file = args.out / "figures.jsonl"
+        figures_file.unlink(missing_ok=True)
+        left = TOTAL_BUDGET_S - 20 - (time.monotonic() - start)  # 20 s to write the report
+        result["parts"]["gpu tier"] = gpu_tier(figures_file, min(args.tier_budget_s, left))
+        result["figures"] = read_figures(figures_file)
+    result["seconds"] = round(time.monotonic() - start, 1)
+    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "gpu_check.md").write_text(table(result))
+    print(table(result))
+    print(f"written: {args.out / 'gpu_check.json'}, {args.out / 'gpu_check.md'}")
+    failed = [n for n, p in result["parts"].items() if not p["status"].startswith(("passed",
+                                                                                    "skipped"))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
