@@ -110,8 +110,9 @@ def gpu_tier(figures_file: Path, budget_s: float) -> dict:
     env = {**os.environ, "DTCOURSE_GPU_FIGURES": str(figures_file)}
     part = run_part([sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-n", "0", "-q", "-s",
                      "-p", "no:cacheprovider"], budget_s, env)
-    summary = re.findall(r"=+ (.*(?:passed|failed|skipped|error).*?) =+", part["output_tail"])
-    part["summary"] = summary[-1] if summary else None
+    summary = [line.strip(" =") for line in part["output_tail"].splitlines()
+               if re.search(r"\d+ (passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s", line)]
+    part["summary"] = summary[-1] if summary else None  # "12 passed, 3 skipped in 250.1s"
     return part
 
 
