@@ -44,6 +44,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -86,15 +87,16 @@ def versions() -> dict:
 def run_part(cmd: list, budget_s: float, env: dict | None = None) -> dict:
     """Run one part with a timeout; its status, seconds and the tail of its output."""
     start = time.monotonic()
+    # its own session, so that a timeout stops the launched ranks too, not only the launcher
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=max(budget_s, 1))
-        status = "passed" if out.returncode == 0 else f"failed (exit {out.returncode})"
-        text = out.stdout + out.stderr
-    except subprocess.TimeoutExpired as e:
+        text, _ = proc.communicate(timeout=max(budget_s, 1))
+        status = "passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
         status = f"timed out after {budget_s:.0f} s"
-        text = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
-                else (e.stdout or ""))
     return {"status": status, "seconds": round(time.monotonic() - start, 1),
             "output_tail": text[-4000:]}
 
