@@ -20,7 +20,9 @@ One MoE layer, per group of S tokens (GShard, Lepikhin et al. 2020; Switch, Fedu
     all-to-all #2:  the outputs go back to the ranks that own the tokens
     combine (S, E, C) = dispatch * p:  y = combine x expert outputs  (S, d)
     load-balancing loss: E * sum_e f_e P_e, f_e = share of tokens whose first choice is e,
-            P_e = mean router probability of e; smallest (1) when the load is uniform.
+            P_e = mean router probability of e; 1 when first choices and probabilities are
+            uniform, and pushed towards that balance (1 is not its minimum: a router can score
+            below 1 with first choices bunched where its probabilities are low).
 
 What crosses the network: in this padded (GShard-style) dispatch each all-to-all moves the
 capacity slots, not the tokens: every rank sends E/W * groups * C * d values to each other rank,
