@@ -1,5 +1,5 @@
-"""Hybrid parallelism: data x tensor x pipeline parallel on one named device mesh, the layout that
-trains 70B-class models (Megatron-LM, torchtitan).
+"""Hybrid parallelism: data x tensor x pipeline parallel on one named device mesh, the 3-D layout
+(Megatron-LM, torchtitan) for models that do not fit a node under FSDP alone.
 
 The world is a 3-D grid of ranks, mesh dims ("pp", "dp", "tp"), TP innermost so that a TP group
 is consecutive ranks, i.e. GPUs of one node:

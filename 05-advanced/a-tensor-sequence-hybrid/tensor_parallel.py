@@ -68,9 +68,10 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone(memory_format=torch.contiguous_format)  # all_reduce works in place
-        # bwd: all-reduce (b, s, h) over the TP group. Blocking, so exposed on a GPU: Megatron-LM
-        # instead launches it asynchronously inside the linear layer's backward and computes the
-        # weight gradient while it runs (a reduce-scatter under sequence parallelism).
+        # bwd: all-reduce (b, s, h) over the TP group. Exposed on a GPU: it is issued here, after
+        # the layer's weight gradients are done, so nothing is left to overlap. Megatron-LM issues
+        # it inside the linear layer's backward, before the weight-gradient GEMM, and computes
+        # that GEMM while it runs (a reduce-scatter under sequence parallelism).
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
