@@ -1,7 +1,10 @@
 """Every training script computes the same thing whichever launcher starts it.
 
-The scripts share one set-up (dtcourse/launch.py) that reads each launcher's variables. Here every
-training script of every lesson is launched as 2 tasks by SLURM's `srun` on the test cluster (no
+The scripts share one set-up (dtcourse/launch.py) that reads each launcher's variables. Every
+training script starts through it and reads no launcher variable itself (checked on the source,
+below); the scripts where the launcher can still matter otherwise (DeepSpeed, which reads the
+environment too; the two that read it for their own output; DCP checkpoints; the device mesh and
+the pipeline's sub-groups; the data loader's worker processes) are launched as 2 tasks by SLURM's `srun` on the test cluster (no
 torchrun: the tasks read SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID and SLURM_STEP_NODELIST,
 and derive the port from the job id) and as 2 ranks by `torchrun --nproc_per_node=2`; the exported
 weights must be bitwise equal, because the same ranks run the same arithmetic. `mpirun` (OpenMPI's
@@ -51,13 +54,53 @@ TRAINING_SCRIPTS = [
 ]
 
 
+# Launched both ways; the rest of TRAINING_SCRIPTS reach their ranks only through dtcourse.launch,
+# which these launches (and tests/test_dtcourse.py's unit tests of every launcher's variables) cover.
+LAUNCHED = {"01-ddp-basics/ddp_mnist.py", "01-ddp-basics/ddp_training.py", "02-fsdp/fsdp_checkpoint.py",
+            "03-deepspeed/deepspeed_train.py", "03-deepspeed/zero_offload.py",
+            f"{A}/hybrid_parallelism.py", f"{B}/pipeline_parallel.py", f"{C}/data_loading.py"}
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC", "SLURM_", "OMPI_", "PMI_")
+STARTS = ("setup", "distributed", "start_deepspeed")
+
+
+def launcher_reads(source: str) -> tuple[list[str], bool]:
+    """(launcher variables the source reads itself, whether it starts through dtcourse.launch)."""
+    import ast
+    reads, starts = [], False
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.startswith(LAUNCHER_VARIABLES):
+            reads.append(node.value)
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name.split(".")[-1] in STARTS and ("launch" in name or "." not in name):
+                starts = True
+    return reads, starts
+
+
+def test_the_launch_check_flags_a_script_that_reads_its_rank_itself():
+    bad = "import os\nfrom dtcourse import launch\nrank = int(os.environ['RANK'])\nd = launch.setup()\n"
+    assert launcher_reads(bad) == (["RANK"], True)
+    assert launcher_reads("import torch.distributed as dist\ndist.init_process_group('gloo')\n")[1] \
+        is False
+
+
+@pytest.mark.parametrize("script", sorted({s for s, _ in TRAINING_SCRIPTS} - LAUNCHED))
+def test_every_other_training_script_gets_its_ranks_only_from_dtcourse(script):
+    reads, starts = launcher_reads((REPO / script).read_text())
+    assert starts, f"{script} does not start through dtcourse.launch"
+    assert not reads, f"{script} reads launcher variables itself: {reads}"
+
+
 def exports(folder) -> dict:
     files = sorted(folder.glob("*.pt"))
     assert files, f"nothing exported in {folder}"
     return {f.name: load_export(f) for f in files}
 
 
-@pytest.mark.parametrize("script,args", TRAINING_SCRIPTS, ids=[s for s, _ in TRAINING_SCRIPTS])
+@pytest.mark.parametrize("script,args", [(s, a) for s, a in TRAINING_SCRIPTS if s in LAUNCHED],
+                         ids=[s for s, _ in TRAINING_SCRIPTS if s in LAUNCHED])
 def test_srun_exports_what_torchrun_exports(slurm, tmp_path, script, args):
     (tmp_path / "torchrun").mkdir()
     (tmp_path / "srun").mkdir()
