@@ -1,17 +1,18 @@
 """Every training script computes the same thing whichever launcher starts it.
 
-The scripts share one set-up (dtcourse/launch.py) that reads each launcher's variables. Every
-training script starts through it and reads no launcher variable itself (checked on the source,
-below); the scripts where the launcher can still matter otherwise (DeepSpeed, which reads the
-environment too; the two that read it for their own output; DCP checkpoints; the device mesh and
-the pipeline's sub-groups; the data loader's worker processes) are launched as 2 tasks by SLURM's `srun` on the test cluster (no
-torchrun: the tasks read SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID and SLURM_STEP_NODELIST,
+The scripts share one set-up (dtcourse/launch.py) that reads each launcher's variables. The
+scripts where the launcher can matter otherwise (DeepSpeed's, which read the environment too;
+lesson 01's two, which read it for their own output; DCP checkpoints; the device mesh and the
+pipeline's sub-groups; the data loader's worker processes) are launched as 2 tasks by SLURM's
+`srun` on the test cluster (no torchrun: the tasks read SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID and SLURM_STEP_NODELIST,
 and derive the port from the job id) and as 2 ranks by `torchrun --nproc_per_node=2`; the exported
 weights must be bitwise equal, because the same ranks run the same arithmetic. `mpirun` (OpenMPI's
 variables) is checked the same way on lesson 01's template. The deepspeed launcher is covered by
 lesson 03's tests, python (a group of one) by every lesson's.
 
-Each script runs a few steps of its smallest configuration: the point is the launch, not training.
+Every other training script is checked on its source: it starts through dtcourse.launch and reads
+no launcher variable itself, so the launches above cover it. Each launched script runs a few steps
+of its smallest configuration: the point is the launch, not training.
 """
 
 import shutil
