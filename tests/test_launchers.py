@@ -4,11 +4,13 @@ The scripts share one set-up (dtcourse/launch.py) that reads each launcher's var
 scripts where the launcher can matter otherwise (DeepSpeed's, which read the environment too;
 lesson 01's two, which read it for their own output; DCP checkpoints; the device mesh and the
 pipeline's sub-groups; the data loader's worker processes) are launched as 2 tasks by SLURM's
-`srun` on the test cluster (no torchrun: the tasks read SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID and SLURM_STEP_NODELIST,
-and derive the port from the job id) and as 2 ranks by `torchrun --nproc_per_node=2`; the exported
-weights must be bitwise equal, because the same ranks run the same arithmetic. `mpirun` (OpenMPI's
-variables) is checked the same way on lesson 01's template. The deepspeed launcher is covered by
-lesson 03's tests, python (a group of one) by every lesson's.
+`srun` on the test cluster (no torchrun: the tasks read SLURM_PROCID, SLURM_STEP_NUM_TASKS,
+SLURM_LOCALID and SLURM_STEP_NODELIST, and derive the port from the job id) and as 2 ranks by
+`torchrun --nproc_per_node=2`; the exported weights must be bitwise equal, because the same ranks
+run the same arithmetic (ddp_training.py: in test_scale.py, against the torchrun reference its
+SLURM and elastic tests share). `mpirun` (OpenMPI's variables) is checked the same way on lesson
+01's template. The deepspeed launcher is covered by lesson 03's tests, python (a group of one) by
+every lesson's.
 
 Every other training script is checked on its source: it starts through dtcourse.launch and reads
 no launcher variable itself, so the launches above cover it. Each launched script runs a few steps
@@ -56,10 +58,14 @@ TRAINING_SCRIPTS = [
 
 
 # Launched both ways; the rest of TRAINING_SCRIPTS reach their ranks only through dtcourse.launch,
-# which these launches (and tests/test_dtcourse.py's unit tests of every launcher's variables) cover.
-LAUNCHED = {"01-ddp-basics/ddp_mnist.py", "01-ddp-basics/ddp_training.py", "02-fsdp/fsdp_checkpoint.py",
+# which these launches (and tests/test_dtcourse.py's unit tests of every launcher's variables)
+# cover.
+# ddp_training.py is launched both ways by test_scale.py (test_srun_python_equals_torchrun), and
+# under mpirun below.
+LAUNCHED = {"01-ddp-basics/ddp_mnist.py", "02-fsdp/fsdp_checkpoint.py",
             "03-deepspeed/deepspeed_train.py", "03-deepspeed/zero_offload.py",
             f"{A}/hybrid_parallelism.py", f"{B}/pipeline_parallel.py", f"{C}/data_loading.py"}
+BY_TEST_SCALE = {"01-ddp-basics/ddp_training.py"}
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                       "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC", "SLURM_", "OMPI_", "PMI_")
 STARTS = ("setup", "distributed", "start_deepspeed")
@@ -81,13 +87,15 @@ def launcher_reads(source: str) -> tuple[list[str], bool]:
 
 
 def test_the_launch_check_flags_a_script_that_reads_its_rank_itself():
-    bad = "import os\nfrom dtcourse import launch\nrank = int(os.environ['RANK'])\nd = launch.setup()\n"
+    bad = ("import os\nfrom dtcourse import launch\nrank = int(os.environ['RANK'])\n"
+           "d = launch.setup()\n")
     assert launcher_reads(bad) == (["RANK"], True)
-    assert launcher_reads("import torch.distributed as dist\ndist.init_process_group('gloo')\n")[1] \
-        is False
+    raw = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+    assert launcher_reads(raw)[1] is False
 
 
-@pytest.mark.parametrize("script", sorted({s for s, _ in TRAINING_SCRIPTS} - LAUNCHED))
+@pytest.mark.parametrize("script",
+                         sorted({s for s, _ in TRAINING_SCRIPTS} - LAUNCHED - BY_TEST_SCALE))
 def test_every_other_training_script_gets_its_ranks_only_from_dtcourse(script):
     reads, starts = launcher_reads((REPO / script).read_text())
     assert starts, f"{script} does not start through dtcourse.launch"
