@@ -16,6 +16,7 @@ The estimator is pure Python and is checked in-process.
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -404,13 +405,31 @@ def test_memory_quick_compares_measured_library_and_paper(memory, train):
      r"--largest-param must be a number of elements up to --params 1,000,000"),
     ("memory_estimator", ["--params", "1e6", "--largest-param", "1e3"], r"add --accounting library"),
     ("memory_estimator", ["--params", "1e6", "--reuse-distance", "-1"], r"--reuse-distance must be"),
-    ("distributed_benchmarks", ["train", "--worlds", "0"], r"world sizes must be at least 1"),
-    ("distributed_benchmarks", ["train", "--strategies", "zero4"], r"zero4 not among ddp, "),
-    ("distributed_benchmarks", ["memory", "--from", "missing.json"], r"no such file"),
 ])
 def test_bad_input_exits_2_with_one_line(script, args, pattern):
     result = run_python(f"benchmarks/{script}.py", *args, check=False, timeout=60)
     assert_bad_input(result, pattern)
+
+
+BENCH_BAD_INPUT = [
+    (["train", "--worlds", "0"], r"world sizes must be at least 1"),
+    (["train", "--strategies", "zero4"], r"zero4 not among ddp, "),
+    (["memory", "--from", "missing.json"], r"no such file"),
+]
+
+
+def test_benchmark_bad_input_exits_2_with_one_line(capsys):
+    """The first case as a process (each one imports torch: 2-3 s), every case in this process:
+    the script's own parse_args, which writes the line and exits before anything is launched."""
+    args, pattern = BENCH_BAD_INPUT[0]
+    assert_bad_input(run_python("benchmarks/distributed_benchmarks.py", *args, check=False,
+                                timeout=60), pattern)
+    for args, pattern in BENCH_BAD_INPUT:
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_args(args)
+        assert exit_.value.code == 2, args
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and re.search(pattern, lines[0]), (args, lines)
 
 
 def test_readme_documents_the_quick_and_the_sample_runs():
