@@ -97,10 +97,12 @@ def main(argv=None):
     with launch.distributed(args.device, args.timeout_s) as d:
         outcome = run(args, d)
         if outcome["error"]:
-            # one write() per line: both ranks print at once into the same pipe, and print()
-            # writes the text and its newline separately, which can interleave the two lines
+            # one write() for both lines: both ranks print at once into the same pipe, and
+            # print() writes the text and its newline separately, which can interleave them.
+            # Where the rank was, then what gloo said (which of the two messages a rank gets
+            # depends on whose timer fires first; see the README's solution)
             sys.stdout.write(f"[rank {d.rank}] {outcome['error']} after {outcome['waited_s']:.1f} "
-                             f"s in {outcome['where']}: {outcome['message']}\n")
+                             f"s in {outcome['where']}\n[rank {d.rank}]   {outcome['message']}\n")
             sys.stdout.flush()
         else:
             report.print0("every rank finished every step")
