@@ -215,26 +215,51 @@ def send(group: list, payload: float, cl: dict) -> dict:
 
 
 def context_parallel_bytes(kind: str, p: int, heads: int, kv_heads: int, head_dim: int,
-                           seq_len: int, batch: int = 1, bytes_per_el: int = 4) -> int:
-    """Bytes one rank of a context-parallel group of p ranks sends in one attention forward,
-    the sequence of seq_len positions split evenly (p divides seq_len), q with `heads` heads,
-    k and v with `kv_heads` (grouped-query attention; kv_heads = heads is multi-head attention).
+                           seq_len: int, batch: int = 1, bytes_per_el: int = 4,
+                           step: str = "forward") -> int:
+    """Bytes one rank of a context-parallel group of p ranks sends in one attention forward
+    (step="forward"), its backward ("backward") or both ("step", a training step), the sequence
+    of seq_len positions split evenly (p divides seq_len), q with `heads` heads, k and v with
+    `kv_heads` (grouped-query attention; kv_heads = heads is multi-head attention).
     With S = batch x seq_len / p x head_dim x bytes_per_el, one head of one rank's positions:
-        ulysses  (p - 1) / p x (2 heads + 2 kv_heads) x S   4 all-to-alls (q, k, v, out), each
-                                                             keeping 1 / p of its block at home
-        ring     2 (p - 1) x kv_heads x S                    k and v passed p - 1 hops
-    With heads = kv_heads = H these are 4 (p - 1) / p and 2 (p - 1) blocks of H heads (the
-    lesson 05b formulas); with grouped KV heads only the ring's whole volume shrinks by
-    heads / kv_heads. Ulysses needs p to divide heads and kv_heads (whole heads per rank)."""
-    if seq_len % p or heads % kv_heads:
-        raise ValueError(f"p {p} must divide seq_len {seq_len}, kv_heads {kv_heads} heads {heads}")
+        ulysses  forward  (p - 1) / p x (2 heads + 2 kv) x S   4 all-to-alls (q, k, v, out), each
+                                                                keeping 1 / p of its block at home
+                 backward the same (dout in; dq, dk, dv out)
+        ring     forward  2 (p - 1) x kv_heads x S             k and v passed p - 1 hops
+                 backward (2 (p - 1) + 2 p) x kv_heads x S     the same hops, then dk and dv
+                                                                once round the ring (p hops)
+    so a training step sends 2 (p - 1) / p (2 heads + 2 kv) S under Ulysses and
+    (6 p - 4) kv_heads S on the ring (nothing at p = 1).
+    Ulysses gives every rank whole heads: p must divide heads. kv = kv_heads when p divides
+    kv_heads; when p exceeds kv_heads and is a multiple of it, every key/value head is repeated
+    p / kv_heads times before the all-to-alls so that each rank receives one (DeepSpeed's
+    UlyssesSPAttentionHF does this), and kv = p. With heads = kv_heads = H and no repetition these
+    are the lesson 05b multi-head counts: Ulysses 4 (p - 1) / p blocks of H heads each way, the
+    ring 2 (p - 1) forward and 2 (p - 1) + 2 p backward."""
+    if step not in ("forward", "backward", "step"):
+        raise ValueError(f"step must be 'forward', 'backward' or 'step', got {step!r}")
+    if seq_len % p:
+        raise ValueError(f"the group of p = {p} ranks must divide seq_len = {seq_len}: "
+                         f"every rank holds seq_len / p positions")
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads = {kv_heads} must divide heads = {heads}: every key/value "
+                         f"head serves a whole group of query heads")
     s = batch * (seq_len // p) * head_dim * bytes_per_el
     if kind == "ulysses":
-        if heads % p or kv_heads % p:
-            raise ValueError(f"Ulysses needs p {p} to divide heads {heads} and kv_heads {kv_heads}")
-        return (p - 1) * (2 * heads + 2 * kv_heads) * s // p
+        if heads % p:
+            raise ValueError(f"Ulysses needs p = {p} to divide heads = {heads}: every rank "
+                             f"attends with heads / p whole query heads")
+        if kv_heads % p and p % kv_heads:
+            raise ValueError(f"Ulysses needs p = {p} to divide kv_heads = {kv_heads}, or to be "
+                             f"a multiple of it (each key/value head then repeated p / kv_heads "
+                             f"times)")
+        kv = max(kv_heads, p)
+        forward = (p - 1) * (2 * heads + 2 * kv) * s // p
+        return {"forward": forward, "backward": forward, "step": 2 * forward}[step]
     if kind == "ring":
-        return 2 * (p - 1) * kv_heads * s
+        forward = 2 * (p - 1) * kv_heads * s
+        backward = (2 * (p - 1) + 2 * p) * kv_heads * s if p > 1 else 0
+        return {"forward": forward, "backward": backward, "step": forward + backward}[step]
     raise ValueError(f"kind must be 'ring' or 'ulysses', got {kind!r}")
 
 
