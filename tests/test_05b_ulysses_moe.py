@@ -105,18 +105,66 @@ def test_grouped_kv_heads_equal_full_attention_and_send_the_cost_model_bytes(wor
             # head matched to the wrong query group moves results by >= 1e-2
             torch.testing.assert_close(got, want[name].float(), rtol=1e-5, atol=1e-5,
                                        msg=lambda m, n=name, lay=layout: f"{lay} {n}: {m}")
-    # the bytes rank 0 sent in forward, counted by the collective counter, against the cost
-    # model's formulas: Ulysses (P-1)/P (2H + 2H_kv) D T/P, the ring 2 (P-1) H_kv D T/P, float32
+    # the bytes rank 0 sent in forward and in backward, counted by the collective counter,
+    # against the cost model's formulas: Ulysses (P-1)/P (2H + 2H_kv) D T/P each way, the ring
+    # 2 (P-1) H_kv D T/P forward and (2 (P-1) + 2P) H_kv D T/P backward, float32; a training step
+    # is their sum
     cost_model = lessons.load(REPO / "05-advanced" / "cost_model.py")
     calls_and_bytes = c["traffic"]
+    sent = {}
     for kind, counted_as in (("ulysses", "all_to_all"), ("ring", "send")):
-        expect = cost_model.context_parallel_bytes(kind, world, GQA_HEADS, GQA_KV, HEAD_DIM,
-                                                   GQA_T, batch=1, bytes_per_el=4)
-        assert calls_and_bytes[kind][f"{counted_as}_forward"][1] == expect, (kind, world)
+        for phase in ("forward", "backward"):
+            expect = cost_model.context_parallel_bytes(kind, world, GQA_HEADS, GQA_KV, HEAD_DIM,
+                                                       GQA_T, batch=1, bytes_per_el=4, step=phase)
+            assert calls_and_bytes[kind][f"{counted_as}_{phase}"][1] == expect, (kind, phase)
+        sent[kind] = sum(calls_and_bytes[kind][f"{counted_as}_{ph}"][1]
+                         for ph in ("forward", "backward"))
+        assert sent[kind] == cost_model.context_parallel_bytes(
+            kind, world, GQA_HEADS, GQA_KV, HEAD_DIM, GQA_T, step="step"), kind
+    # H = 8, H_kv = 4, in units of S = D T/P x 4 bytes: per step Ulysses 2 (P-1)/P x 24 S, the
+    # ring (6P - 4) x 4 S: 24 against 32 at P = 2 (where the ring sends fewer forward, 8 against
+    # 12), 36 against 80 at P = 4
+    s = HEAD_DIM * GQA_T // world * 4
+    assert (sent["ulysses"], sent["ring"]) == ({2: 24, 4: 36}[world] * s, {2: 32, 4: 80}[world] * s)
+    if world == 2:
+        assert calls_and_bytes["ring"]["send_forward"][1] == 8 * s
+        assert calls_and_bytes["ulysses"]["all_to_all_forward"][1] == 12 * s
     # fewer than the multi-head formulas give: the ring's k, v carry H_kv / H of the heads
     assert calls_and_bytes["ring"]["send_forward"][1] == (
         cost_model.context_parallel_bytes("ring", world, GQA_HEADS, GQA_HEADS, HEAD_DIM, GQA_T)
         * GQA_KV // GQA_HEADS)
+
+
+def test_formula_only_prints_forward_and_per_step_bytes_with_kv_repetition_past_h_kv(capsys):
+    # The README's Llama 3 70B comparison (H 64, H_kv 8, D 128, T 8192, bf16), printed by the
+    # script without a launch from cost_model.context_parallel_bytes: forward, the ring sends
+    # fewer bytes up to P = 8; per training step only up to P = 4. At P = 16 Ulysses repeats each
+    # key/value head twice, so its k, v all-to-alls carry P heads: (P-1)/P (2H + 2P) S.
+    ulysses = lessons.load(LESSON / "ulysses_attention.py")
+    ulysses.main(["--formula-only", "--heads", "64", "--kv-heads", "8", "--head-dim", "128",
+                  "--seq-lens", "8192", "--sizes", "2,4,8,16"])
+    rows = re.findall(r"^P=(\d+)\s+T=8192 \| forward: ulysses\s+(\S+) MiB, ring\s+(\S+) MiB, "
+                      r"ring / ulysses (\S+) \| step \(fwd \+ bwd\): ulysses\s+(\S+) MiB, "
+                      r"ring\s+(\S+) MiB, ring / ulysses (\S+)(.*)$", capsys.readouterr().out,
+                      re.M)
+    got = {int(r[0]): [float(x) for x in r[1:7]] + [r[7]] for r in rows}
+    S = 8192 * 128 * 2 / 2**20  # MiB of one head's whole sequence; a rank's share is S / P
+    for P in (2, 4, 8, 16):
+        kv = max(8, P)
+        u_fwd = (P - 1) / P * (2 * 64 + 2 * kv) * S / P
+        r_fwd, r_bwd = 2 * (P - 1) * 8 * S / P, (2 * (P - 1) + 2 * P) * 8 * S / P
+        assert got[P][:6] == pytest.approx(
+            [u_fwd, r_fwd, round(r_fwd / u_fwd, 2), 2 * u_fwd, r_fwd + r_bwd,
+             round((r_fwd + r_bwd) / (2 * u_fwd), 2)], abs=0.051), P
+        assert ("repeats each key/value head 2x" in got[P][6]) == (P == 16)
+    assert [got[P][5] for P in (2, 4, 8)] == [0.44, 0.74, 1.40]   # the README's per-step ratios
+    assert [got[P][2] for P in (2, 4, 8, 16)] == [0.22, 0.44, 0.89, 1.60]
+    # the function names the condition that fails
+    cost_model = lessons.load(REPO / "05-advanced" / "cost_model.py")
+    with pytest.raises(ValueError, match="Ulysses needs p = 12 to divide kv_heads = 8, or to be"):
+        cost_model.context_parallel_bytes("ulysses", 12, 96, 8, 128, 8184)
+    with pytest.raises(ValueError, match="p = 3 ranks must divide seq_len = 8192"):
+        cost_model.context_parallel_bytes("ring", 3, 64, 8, 128, 8192)
 
 
 TRAFFIC = re.compile(
@@ -145,8 +193,12 @@ def test_measured_bytes_equal_the_formulas(ulysses_doc):
         # ring: P - 1 hops of (k, v) forward; backward the same hops and (dk, dv) once round
         assert (r_calls_f, r_calls_b) == (2 * (P - 1), 2 * (P - 1) + 2 * P)
         assert r_f == 2 * (P - 1) * block and r_b == (2 * (P - 1) + 2 * P) * block
-        # and the script's printed formulas agree with these
+        # and the script's printed formulas agree with these, as does the cost model's function
         assert (u_f_formula, u_b_formula, r_f_formula, r_b_formula) == (u_f, u_b, r_f, r_b)
+        cost_model = lessons.load(REPO / "05-advanced" / "cost_model.py")
+        assert [cost_model.context_parallel_bytes(kind, P, HEADS, HEADS, HEAD_DIM, T, step=ph)
+                for kind in ("ulysses", "ring") for ph in ("forward", "backward")] == [
+                    u_f, u_b, r_f, r_b]
     # On a fixed share per rank (T / P = 128: P = 2 at T = 256, P = 4 at T = 512) Ulysses sends
     # 2 then 3 blocks forward, bounded by 4; the ring 2 then 6, growing with P.
     assert rows[(4, 512)][0] == rows[(2, 256)][0]

@@ -13,7 +13,7 @@ Launch (from the repository root):
     torchrun --nproc_per_node=4 05-advanced/b-pipeline-expert-context/ulysses_attention.py \
         --sizes 2,4 --seq-lens 256 --heads 8 --kv-heads 4    # grouped-query attention
     python 05-advanced/b-pipeline-expert-context/ulysses_attention.py --formula-only \
-        --heads 64 --kv-heads 8 --head-dim 128 --seq-lens 8192 --sizes 2,4,8   # no launch
+        --heads 64 --kv-heads 8 --head-dim 128 --seq-lens 8192 --sizes 2,4,8,16  # no launch
 
 Rank r holds positions [r T / P, (r + 1) T / P) of q, k, v: (batch, heads, T_r, head_dim).
 
@@ -30,18 +30,21 @@ Grouped-query attention (--kv-heads H_kv < H, each key/value head serving H / H_
 k and v carry H_kv heads, so their all-to-alls move H_kv / H of a block, and rank j's query heads
 j H/P .. find their key/value heads j H_kv/P .. on the same rank if P divides H_kv too. Forward,
 one rank sends (P - 1) / P x (2 H + 2 H_kv) x B x T/P x D elements; the ring 2 (P - 1) x H_kv x
-B x T/P x D (cost_model.context_parallel_bytes, which --formula-only prints).
+B x T/P x D. Per training step Ulysses sends twice that, the ring (6 P - 4) x H_kv x B x T/P x D
+(its backward passes dk, dv once round as well): cost_model.context_parallel_bytes, which
+--formula-only prints for both, also for P a multiple of H_kv (each key/value head repeated
+P / H_kv times before the all-to-alls, as DeepSpeed's UlyssesSPAttentionHF does; this script's
+own all-to-alls need P to divide H_kv).
 """
 
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtcourse import cli, comm, launch, lessons, report
+from dtcourse import cli, comm, launch, lessons, report, timing
 
 SCRIPT = "05-advanced/b-pipeline-expert-context/ulysses_attention.py"
 ring_attention = lessons.load(Path(__file__).resolve().parent / "ring_attention.py")
@@ -185,11 +188,9 @@ def median_time(fn, repeats, device):
     times = []
     for _ in range(repeats):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = timing.clock(device)
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        took = torch.tensor([time.perf_counter() - t0], device=device)
+        took = torch.tensor([timing.clock(device) - t0], device=device)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         times.append(took.item())
     return statistics.median(times)
@@ -310,9 +311,10 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed forward+backward runs per case")
     p.add_argument("--formula-only", action="store_true",
-                   help="print the forward bytes one rank sends per the formulas "
-                        "(cost_model.context_parallel_bytes, bf16) for --sizes and --seq-lens; "
-                        "no launch")
+                   help="print the bytes one rank sends per the formulas, forward and per "
+                        "training step (cost_model.context_parallel_bytes, bf16) for --sizes "
+                        "and --seq-lens; no launch (P may then be a multiple of --kv-heads: "
+                        "Ulysses repeats each key/value head)")
     args = p.parse_args(argv)
     try:
         args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
@@ -333,7 +335,10 @@ def parse_args(argv=None):
         if args.heads % P:
             cli.fail(f"--heads {args.heads} is not divisible by P = {P}: Ulysses gives every "
                      f"rank H / P whole heads (ring attention has no such limit)")
-        if args.kv_heads % P:
+        # the formulas also cost P a multiple of H_kv (each key/value head repeated P / H_kv
+        # times, one per rank); this script's all-to-alls do not repeat heads
+        repeats = args.formula_only and P > args.kv_heads and P % args.kv_heads == 0
+        if args.kv_heads % P and not repeats:
             cli.fail(f"--kv-heads {args.kv_heads} is not divisible by P = {P}: Ulysses gives "
                      f"every rank H_kv / P whole key/value heads (the ring has no such limit)")
     if min(args.seq_lens) < max(args.sizes):
@@ -343,18 +348,24 @@ def parse_args(argv=None):
 
 
 def print_formulas(args):
-    """The forward bytes per rank of both layouts at each P and T, from the formulas alone, in
-    bf16 (2 bytes an element): what a GPU run of this shape would send."""
-    print(f"forward bytes one rank sends (bf16) | {args.heads} heads, {args.kv_heads} key/value "
-          f"heads x head_dim {args.head_dim}, batch {args.batch} | "
-          f"cost_model.context_parallel_bytes")
+    """The bytes per rank of both layouts at each P and T, from the formulas alone, in bf16 (2
+    bytes an element): what a GPU run of this shape would send in one attention forward and in a
+    training step (forward and backward). Where P exceeds H_kv, Ulysses repeats each key/value
+    head P / H_kv times (DeepSpeed's UlyssesSPAttentionHF), and the line says so."""
+    print(f"bytes one rank sends (bf16) | {args.heads} heads, {args.kv_heads} key/value heads x "
+          f"head_dim {args.head_dim}, batch {args.batch} | cost_model.context_parallel_bytes")
     for T in args.seq_lens:
         for P in args.sizes:
-            u, r = (cost_model.context_parallel_bytes(kind, P, args.heads, args.kv_heads,
-                                                      args.head_dim, T, args.batch, 2)
-                    for kind in ("ulysses", "ring"))
-            print(f"P={P} T={T} | ulysses {u / 2**20:8.1f} MiB | ring {r / 2**20:8.1f} MiB | "
-                  f"ring / ulysses {r / u:.2f}")
+            cols = []
+            for step, name in (("forward", "forward"), ("step", "step (fwd + bwd)")):
+                u, r = (cost_model.context_parallel_bytes(kind, P, args.heads, args.kv_heads,
+                                                          args.head_dim, T, args.batch, 2, step)
+                        for kind in ("ulysses", "ring"))
+                cols.append(f"{name}: ulysses {u / 2**20:6.1f} MiB, ring {r / 2**20:6.1f} MiB, "
+                            f"ring / ulysses {r / u:.2f}")
+            repeat = (f" | ulysses repeats each key/value head {P // args.kv_heads}x"
+                      if P > args.kv_heads else "")
+            print(f"P={P:<2d} T={T} | " + " | ".join(cols) + repeat)
 
 
 def main(argv=None):
