@@ -16,9 +16,13 @@ each is shown wrong, then right, beside what one process computes.
 
 3 is no bug: activation recomputation (Korthikanti et al. 2022), a trade of memory for FLOPs that
 runs on one process (rank 0), splits nothing and gives bitwise the same gradients in every mode.
-Selective recomputation recomputes only the attention core, softmax(QK^T)V, which holds
-b*heads*s*s numbers for backward but costs few FLOPs. What share of full recomputation's saving
-that is depends on a*s/h: about a third at this lesson's small model, most of it at GPT-3's shape.
+Selective recomputation here is Megatron-LM's core-attention policy (--recompute-granularity
+selective): recompute only softmax(QK^T)V, whose score and softmax tensors, b*heads*s*s numbers
+each, an eager attention keeps for backward, for 4*b*s*s*h FLOPs a layer against the matmuls'
+24*b*s*h*h. What share of full recomputation's saving that is depends on a*s/h: about a third at
+this lesson's small model, most of it at GPT-3's shape. FlashAttention never stores the score
+matrix, so under it this policy saves next to nothing; the cost model's "selective" is another
+policy, torchtitan's per-operator one (cost_model.md).
 Saved bytes and FLOPs are measured (saved_tensors_hooks, FlopCounterMode) and compared with
 formulas.
 

@@ -35,14 +35,13 @@ counter come from the shared module dtcourse.
 
 import contextlib
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.comm import CollectiveCounter
 from dtcourse.data import token_batch
 from dtcourse.models import GPT, Attention, Block, FeedForward, init_gpt
@@ -122,9 +121,10 @@ def _my_seq_chunk(x, group):
 
 
 class GatherSeq(torch.autograd.Function):
-    """Sequence parallelism's g (replaces f at a block's entry). Forward: all-gather the sequence
-    shards into the whole X for the column-parallel layers. Backward: each rank holds a partial
-    gradient of the whole X; reduce-scatter sums it and hands each rank its own shard."""
+    """Sequence parallelism's all-gather, in f's place at a block's entry (Korthikanti et al. call
+    it g, not Shoeybi et al.'s g). Forward: all-gather the sequence shards into the whole X for
+    the column-parallel layers. Backward: each rank holds a partial gradient of the whole X;
+    reduce-scatter sums it and hands each rank its own shard."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -137,8 +137,9 @@ class GatherSeq(torch.autograd.Function):
 
 
 class ReduceScatterSeq(torch.autograd.Function):
-    """Sequence parallelism's g-bar (replaces g at a block's exit). Forward: reduce-scatter the
-    partial outputs, so the sum arrives already split along the sequence. Backward: all-gather."""
+    """Sequence parallelism's reduce-scatter, in g's place at a block's exit (Korthikanti et al.'s
+    g-bar). Forward: reduce-scatter the partial outputs, so the sum arrives already split along
+    the sequence. Backward: all-gather."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -430,15 +431,14 @@ def train(args, d):
         # The TP group shares one batch: every rank builds the whole batch of this step.
         x, y = (t.to(d.device) for t in token_batch(args.seed, step, args.batch_size,
                                                     args.seq_len, args.vocab))
-        t0 = time.perf_counter()
+        t0 = timing.clock(d.device)
         # Step 1 runs under the counter (every op passes through Python there, so it is slow);
         # the later steps are the ones timed.
         with comm if step == 0 else contextlib.nullcontext():
             loss = train_step(args, model, group, optimizer, x, y, comm)
-        if d.device.type == "cuda":
-            torch.cuda.synchronize(d.device)
+        took = timing.clock(d.device) - t0
         if step > 0:
-            step_s.append(time.perf_counter() - t0)
+            step_s.append(took)
         losses.append(loss.item())  # the same on every rank: whole batch, replicated head
         bar.update(1)
         done = step + 1
