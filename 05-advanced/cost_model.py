@@ -46,7 +46,9 @@ the order of Llama 3):
              model; PAT instead of a ring where NCCL would time it faster)
     memory   weights, gradients and Adam (bytes per parameter as Megatron-LM and FSDP2 keep them,
              sharded as the layout says), FSDP's gathered units, activations
-             ((12h + 4kv + 8f)/t + 4h(t-1)/t bytes per token and layer), logits
+             ((12h + 4kv + 8f)/t + 4h(t-1)/t bytes per token and layer; kept between forward
+             and backward under recomputation: full 2h/t, selective 2(4h + kv + f) at t = 1 and
+             2((5h + kv + f)/t + h) under TP), logits
 """
 
 import json
@@ -473,15 +475,20 @@ def evaluate(lay: dict, mdl: dict, cl: dict, run: dict) -> dict:
     # pipeline_parallel/schedules.py) and holds one more: chunks of L/(p v) layers,
     # 1 + (p-1)/(p v) times 1F1B's p stages of L/p (05b counts 11 chunks held at p = 4, v = 2).
     # Full checkpointing keeps only each layer's input (2h/t bytes, sequence-sharded) and rebuilds
-    # one layer at a time; selective keeps the layer's input and the saved operators' outputs: q,
-    # v, the attention output, gate and down (h, kv, h, f, h: 2(4h + kv + f)/t bytes a token with
-    # the input) and rebuilds the rest one layer at a time.
+    # one layer at a time; selective (torchtitan's policy: every second matmul's output, the
+    # attention kernel's and the reduce-scatters') keeps the layer's input and q, v, the attention
+    # output, gate and down (h, kv, h, f, h: 2(4h + kv + f) bytes a token with the input), and
+    # rebuilds the rest one layer at a time. Under TP (t > 1) all but one of these are split over
+    # the t ranks, plus the two reduce-scatters' sequence-sharded outputs (h/t each), but down is
+    # the row-parallel matmul's Partial output: the whole (tokens, h) on every rank, before its
+    # reduce-scatter. So 2((5h + kv + f)/t + h) bytes a token, 2.2 times a split of everything
+    # for 405B at t = 8 (tests/test_cost_model.py measures what the policy saves at t = 2).
     per_token_layer = (12 * h + 4 * pc["kv"] + 8 * f) / t + 4 * h * (t - 1) / t
     in_flight = min(p, m) * (1 + (p - 1) / (p * v) if v > 1 else 1)
     if recompute:
         acts = stage_layers * tokens * 2 * h / t * in_flight + tokens * per_token_layer
     elif selective:
-        kept = 2 * (4 * h + pc["kv"] + f) / t
+        kept = 2 * (4 * h + pc["kv"] + f) if t == 1 else 2 * ((5 * h + pc["kv"] + f) / t + h)
         acts = stage_layers * tokens * kept * in_flight + tokens * per_token_layer
     else:
         acts = stage_layers * tokens * per_token_layer * in_flight

@@ -1,6 +1,7 @@
 """Lesson 05's cost model (05-advanced/cost_model.py): every figure it prints and writes equals the
 formulas, worked out here by hand for four layouts; the activation bytes it assumes per token are
-what torch's autograd saves for a Llama block, measured with saved-tensor hooks; a case whose
+what torch's autograd saves for a Llama block, measured with saved-tensor hooks, and under TP
+what torchtitan's selective recomputation policy keeps, measured in its checkpoint; a case whose
 answer is forced (70B does not fit on 80 GB GPUs with data parallelism alone) gets sharding or
 model parallelism; the walkthrough's commands run and reproduce their quoted outputs; bad input
 stops with one line.
@@ -415,6 +416,128 @@ def test_activation_bytes_are_what_autograd_saves_for_a_llama_block(layout_b):
     # SwiGLU would be 28,672 bytes short, K and V repeated to every head 12,288 over.
     assert measured - per_token == 4 * HEADS + 2 * 4
     assert (measured - per_token) / measured < 1e-3
+
+
+# What torchtitan's selective (per-operator) recomputation keeps, measured: a Llama block at 8B's
+# shapes under torch's DTensor plan as torchtitan writes it (sequence-parallel norms, q/k/v and
+# gate/up column-parallel, o and down row-parallel with sequence-sharded outputs), run through
+# torch.utils.checkpoint with torchtitan's policy (save every matmul's output but every second
+# one, the attention kernel's and the reduce-scatters'), on one process standing for rank 0 of a
+# TP group of 2 (torch's fake process group: collectives return tensors of the right shape and
+# move no data). The policy sees each operator's output; the bf16 ones it saves are counted. The
+# CPU's FlashAttention operator stands for the CUDA one (same outputs). The weights are
+# uninitialised (built on the meta device, then given CPU memory, as torchtitan does): shapes are
+# all that is measured.
+
+
+def selective_saved_bytes_per_token(h, heads, kv_heads, f, t, tokens) -> int:
+    import torch.distributed as dist
+    from collections import defaultdict
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+    hd, bf = h // heads, torch.bfloat16
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wo = torch.nn.Linear(h, h, bias=False), torch.nn.Linear(h, h, bias=False)
+            self.wk = torch.nn.Linear(h, kv_heads * hd, bias=False)
+            self.wv = torch.nn.Linear(h, kv_heads * hd, bias=False)
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = (w(x).view(b, n, -1, hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.wo(o.transpose(1, 2).reshape(b, n, -1))
+
+    class FeedForward(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3 = torch.nn.Linear(h, f, bias=False), torch.nn.Linear(h, f, bias=False)
+            self.w2 = torch.nn.Linear(f, h, bias=False)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(h), torch.nn.RMSNorm(h)
+            self.attention, self.feed_forward = Attention(), FeedForward()
+
+        def forward(self, x):
+            x = x + self.attention(self.attention_norm(x))
+            return x + self.feed_forward(self.ffn_norm(x))
+
+    save = {torch.ops.aten.mm.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    count, saved = defaultdict(int), []
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            count[mode] += 1
+        keep = func in save and not (func == torch.ops.aten.mm.default and count[mode] % 2 == 0)
+        if keep and not ctx.is_recompute:
+            for out in torch.utils._pytree.tree_leaves(ctx.op_output):
+                local = out._local_tensor if isinstance(out, DTensor) else out
+                if isinstance(local, torch.Tensor) and local.dtype == bf:
+                    saved.append(local.numel() * local.element_size())
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=t)
+    try:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (t,))
+        with torch.device("meta"):
+            block = Block().to(bf)
+        gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        parallelize_module(block, mesh, {
+            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention": gathered, "feed_forward": gathered,
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
+        block.to_empty(device="cpu")
+        x = torch.zeros(1, tokens // t, h, dtype=bf, requires_grad=True)   # this rank's sequence shard
+        checkpoint(block, x, use_reentrant=False,
+                   context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    finally:
+        dist.destroy_process_group()
+    assert count["forward"] == 7                  # q, k, v, o, gate, up, down
+    layer_input = x.numel() * x.element_size()    # checkpoint keeps it to recompute from
+    assert (sum(saved) + layer_input) % tokens == 0
+    return (sum(saved) + layer_input) // tokens
+
+
+def test_selective_recomputation_keeps_what_torchtitans_policy_saves_under_tp():
+    """At TP 2, 8B, one sequence of 8192 per micro-batch and no pipeline (one micro-batch in
+    flight): the script's activations are the layers' kept bytes plus one layer rebuilt, and the
+    kept bytes per token and layer are what the policy saves. By hand, 2((5h + kv + f)/t + h): q, v,
+    the attention output, gate (split over t), the two reduce-scatters' outputs and the layer's
+    input (sequence-sharded, h/t each), and down, the row-parallel matmul's Partial output, the
+    whole (tokens, h) on every rank before its reduce-scatter; 1.39 times a split of everything at
+    8B's shapes and t = 2."""
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+    if "op_output" not in SelectiveCheckpointContext.__init__.__code__.co_varnames:
+        pytest.skip(f"torch {torch.__version__}'s checkpoint policy does not see op outputs")
+    t, tokens = 2, 8192
+    kept = 2 * ((5 * H + KV + F_) / t + H)
+    assert selective_saved_bytes_per_token(H, HEADS, 8, F_, t, tokens=16) == kept
+    assert round(kept / (2 * (4 * H + KV + F_) / t), 2) == 1.39
+    name = f"{OUT}/selective_tp2.json"
+    run_python(SCRIPT, "--model", "llama3.1-8b", "--gpus", "16", "--global-batch-tokens", "128Ki",
+               "--tp", "2", "--cp", "1", "--pp", "1", "--dp", "8", "--sharding", "fsdp",
+               "--batch-size", "1", "--activation-checkpointing", "selective", "--json-out", name,
+               timeout=60)
+    got = read_json(REPO / name)["chosen"]
+    rebuilt = tokens * (ACT / t + 4 * H * (t - 1) / t)
+    close(got["memory"]["activations"], L * tokens * kept + rebuilt, "selective activations, TP 2")
 
 
 # --------------------------------------------------------------------------------------------------
