@@ -484,6 +484,24 @@ def test_expert_parallel_equals_a_single_process_moe(moe_runs, moe_reference, wo
     assert [r["param_bytes"] for r in per_rank] == [shared + expert // world] * world
 
 
+def test_load_balancing_loss_is_1_at_uniform_first_choices_and_can_fall_below_it():
+    # The script's Switch loss E sum_e f_e P_e (the dropless script calls the same function):
+    # 1 whenever the first choices are uniform, but 1 is not its minimum. Three tokens routed
+    # (0.51, 0.49), (0.51, 0.49), (0, 1): f = (2/3, 1/3), P = (0.34, 0.66), so
+    # 2 (2/3 x 0.34 + 1/3 x 0.66) = 0.8933, below the uniform router's 1.
+    ep = load_script(MOE)
+    below = torch.tensor([[[0.51, 0.49], [0.51, 0.49], [0.0, 1.0]]])
+    assert ep.load_balancing_loss(below).item() == pytest.approx(2 * (2 / 3 * 0.34 + 1 / 3 * 0.66))
+    assert ep.load_balancing_loss(below).item() == pytest.approx(0.893, abs=5e-4)
+    uniform = torch.full((1, 4, 2), 0.5)
+    skewed_but_balanced = torch.tensor([[[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.3, 0.7]]])
+    assert ep.load_balancing_loss(uniform).item() == pytest.approx(1)
+    assert ep.load_balancing_loss(skewed_but_balanced).item() == pytest.approx(1)
+    # summed over groups: two groups, twice one group's value
+    assert ep.load_balancing_loss(torch.cat([below, below])).item() == pytest.approx(2 * 0.8933,
+                                                                                     abs=1e-3)
+
+
 # --------------------------------------------------------------------------------------------------
 # Ring attention
 

@@ -20,9 +20,12 @@ One MoE layer, per group of S tokens (GShard, Lepikhin et al. 2020; Switch, Fedu
     all-to-all #2:  the outputs go back to the ranks that own the tokens
     combine (S, E, C) = dispatch * p:  y = combine x expert outputs  (S, d)
     load-balancing loss: E * sum_e f_e P_e, f_e = share of tokens whose first choice is e,
-            P_e = mean router probability of e; 1 when first choices and probabilities are
-            uniform, and pushed towards that balance (1 is not its minimum: a router can score
-            below 1 with first choices bunched where its probabilities are low).
+            P_e = mean router probability of e. It equals 1 whenever the first choices are
+            uniform (f_e = 1/E), but 1 is not its minimum: it falls below 1 when first choices
+            and mean probabilities disagree (tokens routed (0.51, 0.49), (0.51, 0.49),
+            (0, 1) give 0.893). Its gradient, through P_e (f_e counts argmaxes and has none),
+            lowers the probability of the experts that take the most first choices, which
+            pushes the router towards uniform loads.
 
 What crosses the network: in this padded (GShard-style) dispatch each all-to-all moves the
 capacity slots, not the tokens: every rank sends E/W * groups * C * d values to each other rank,
@@ -32,14 +35,13 @@ an all-to-all is the reverse all-to-all, so the backward pass makes two more.
 """
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.data import classification_batch, rank_rows
 
 SCRIPT = "05-advanced/b-pipeline-expert-context/expert_parallel.py"
@@ -101,6 +103,15 @@ def route(probs, top_k: int, capacity: int):
     return dispatch.sum(2), combine, ~kept
 
 
+def load_balancing_loss(probs):
+    """Switch Transformer's auxiliary loss, E * sum_e f_e P_e, per group and summed over groups.
+    probs: (g, S, E) router probabilities; f_e: share of the group's tokens whose first choice is
+    e (no gradient), P_e: mean probability of e over the group."""
+    E = probs.shape[-1]
+    first = F.one_hot(probs.argmax(-1), E).float().mean(1)      # (g, E) f_e
+    return (E * (first * probs.mean(1)).sum(-1)).sum()
+
+
 class MoELayer(nn.Module):
     """Top-k mixture of experts. Built with all E experts; `keep_experts` leaves a rank its own
     E / W. With all experts local (one process) the all-to-alls are identities: the plain MoE."""
@@ -136,9 +147,7 @@ class MoELayer(nn.Module):
         # all-to-all #2: the expert outputs go home -> (E, g, C, d) for our own tokens
         back = AllToAll.apply(torch.stack(outputs, dim=1)).reshape(E, g, C, d)
         y = torch.einsum("gsec,egcd->gsd", combine, back).reshape_as(x)
-        # Switch load-balancing loss per group: E * sum_e f_e P_e (first choices)
-        first = F.one_hot(probs.argmax(-1), E).float().mean(1)      # (g, E) f_e
-        aux = (E * (first * probs.mean(1)).sum(-1)).sum()           # summed over groups
+        aux = load_balancing_loss(probs)                             # summed over groups
         stats = {"routed": F.one_hot(probs.topk(self.top_k, -1)[1], E).sum((0, 1, 2)),  # (E,)
                  "dropped": dropped.reshape(-1, self.top_k)}              # (tokens, k)
         return y, aux, stats
@@ -217,7 +226,7 @@ def train(args, d):
     losses, t_start = [], None
     for step in range(args.steps):
         if step == 1:
-            t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
+            t_start = timing.clock(d.device)  # the first step pays for warm-up; time the rest
         loss, stats, _ = forward_backward(args, d, model, replicated, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -229,7 +238,7 @@ def train(args, d):
             report.print0(f"step {step + 1:3d}/{args.steps} | loss {losses[-1]:.4f} | tokens per "
                           f"expert {totals[1:-1].long().tolist()} | dropped {int(totals[-1])} of "
                           f"{args.top_k * global_bs}")
-    elapsed = time.perf_counter() - t_start if t_start else float("nan")
+    elapsed = timing.clock(d.device) - t_start if t_start else float("nan")
     samples_per_s = (args.steps - 1) * global_bs / elapsed if t_start else float("nan")
     report_run(args, d, model, optimizer, losses, samples_per_s, totals)
 

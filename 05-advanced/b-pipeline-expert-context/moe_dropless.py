@@ -32,7 +32,6 @@ routing. The backward of an uneven all-to-all is the all-to-all with the
 sizes swapped; the count all-to-all needs none (counts carry no gradient).
 """
 
-import time
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtcourse import cli, launch, lessons, report
+from dtcourse import cli, launch, lessons, report, timing
 
 SCRIPT = "05-advanced/b-pipeline-expert-context/moe_dropless.py"
 # The model, routing rule, build and step of the capacity version, reused as they are.
@@ -118,8 +117,7 @@ class DroplessMoELayer(nn.Module):
         y = torch.zeros_like(x).index_add(0, token, back * weight.reshape(-1)[order, None])
         # Switch load-balancing loss per group of group_size tokens, as expert_parallel.py
         groups = probs.reshape(-1, self.group_size, E)               # (g, S, E)
-        first = F.one_hot(groups.argmax(-1), E).float().mean(1)      # (g, E) f_e
-        aux = (E * (first * groups.mean(1)).sum(-1)).sum()
+        aux = ep.load_balancing_loss(groups)
         with torch.no_grad():  # what the capacity rule would drop from this very routing
             _, _, dropped = ep.route(groups, k, self.capacity)
         r = dist.get_rank()
@@ -158,7 +156,7 @@ def train(args, d):
     history, t_start = [], None
     for step in range(args.steps):
         if step == 1:
-            t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
+            t_start = timing.clock(d.device)  # the first step pays for warm-up; time the rest
         loss, stats, _ = ep.forward_backward(args, d, model, replicated, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -179,7 +177,7 @@ def train(args, d):
                           f"{row['capacity_drops']} | all-to-alls send at most "
                           f"{row['max_sent_bytes'][0]} (out) and {row['max_sent_bytes'][1]} "
                           f"(back) bytes per rank")
-    elapsed = time.perf_counter() - t_start if t_start else float("nan")
+    elapsed = timing.clock(d.device) - t_start if t_start else float("nan")
     samples_per_s = (args.steps - 1) * global_bs / elapsed if t_start else float("nan")
     report_run(args, d, model, optimizer, history, samples_per_s, padded)
 
