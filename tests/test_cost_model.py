@@ -630,10 +630,10 @@ LLAMA3_ROWS = [  # GPUs, sequence, the layout's flags (table 4 of the Llama 3 pa
                                                                       "128K-16384"])
 def test_the_default_compute_efficiency_reproduces_llama3s_end_to_end_mfu(gpus, seq, layout,
                                                                           reported):
-    """The default --compute-efficiency (0.55, kernels alone) is the two-digit value at which
-    Llama 3's first layout prints its reported MFU; the same value, with the bubble, exposed
-    communication and optimizer the model adds, reproduces the second row within the margin
-    above. Llama 3 does not publish its interleaving: the check takes v = 8 (16 stages x 8 chunks
+    """The default --compute-efficiency (0.55, a fitted compute-phase efficiency) is the two-digit
+    value at which Llama 3's first layout (no recomputation, as it ran) prints its reported MFU; the
+    same value, with the bubble, exposed communication and optimizer the model adds, reproduces the
+    second row within the margin above. Llama 3 does not publish its interleaving: the check takes v = 8 (16 stages x 8 chunks
     of one slot each, 126 layers + the embedding and output layer), the finest the slots allow.
     At 128K tokens the FLOP count itself is a convention (PaLM's 12 L h s counts the whole
     attention matrix, a causal count half of it, 29% of the FLOPs apart) and the paper does not
