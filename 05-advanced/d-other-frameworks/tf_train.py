@@ -163,7 +163,9 @@ def make_strategy(tf, args, cluster):
         ops = None if gpus else tf.distribute.ReductionToOneDevice()
         return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops), 0
     # multiworker: collective ops between processes, ring all-reduce on CPU (NCCL between GPUs),
-    # and a timeout on every collective, so that a worker that dies does not hang the others.
+    # and a timeout on every collective, so that a worker that stalls or dies makes the others fail
+    # instead of hang (TensorFlow calls it a debugging aid: a thread per collective; its
+    # coordination service's 10 s heartbeats catch a dead worker, not a stalled one).
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.NCCL if gpus
         else tf.distribute.experimental.CommunicationImplementation.RING,
@@ -182,8 +184,9 @@ def say_error(line: str) -> None:
 def watch_join(seconds: float, cluster: dict):
     """A process that ends this worker, with one line, unless every worker joined within
     `seconds` of the strategy's start. MultiWorkerMirroredStrategy waits for all the workers of
-    TF_CONFIG without a timeout, inside TensorFlow's C++ with Python's lock held (no thread or
-    signal handler of this process runs meanwhile), and TensorFlow's runtime catches SIGTERM; so
+    TF_CONFIG (up to its coordination service's default hour; no public argument shortens it),
+    inside TensorFlow's C++ with Python's lock held (no thread or signal handler of this process
+    runs meanwhile), and TensorFlow's runtime catches SIGTERM; so
     the watcher is a process, forked before TensorFlow starts its threads, and ends this one with
     SIGKILL. Returns the pipe end to send "start" to (the clock starts), then "joined"."""
     import multiprocessing as mp
@@ -378,14 +381,15 @@ def train(args, cluster):
 
     def timer(step, loss):
         if step == 0:
-            t["start"] = time.perf_counter()  # the first step traces and compiles: not timed
+            # the first step traces and compiles: not timed
+            t["start"] = time.perf_counter()  # host clock: TensorFlow's steps, loss read
         done = step + 1
         if done % args.log_every == 0 or done in (1, args.steps):
             say(f"step {done:4d}/{args.steps} | loss {loss:.4f}", flush=True)
 
     losses, probes = (train_custom if args.loop == "custom" else train_fit)(
         tf, args, strategy, model, optimizer, timer)
-    elapsed = time.perf_counter() - t["start"]
+    elapsed = time.perf_counter() - t["start"]  # host clock: as above
     samples_per_s = (args.steps - 1) * args.global_batch / elapsed if args.steps > 1 else None
     rate = f"{samples_per_s:.0f} samples/s" if samples_per_s else "samples/s not measured"
     say(f"done: {args.steps} steps, {rate}", flush=True)
@@ -447,8 +451,8 @@ def spawn(args, argv) -> int:
             if index not in codes and proc.poll() is not None:
                 codes[index] = proc.returncode
                 if proc.returncode and deadline is None:  # a worker failed: the others follow
-                    deadline = time.monotonic() + 10
-        if deadline is not None and time.monotonic() > deadline:
+                    deadline = time.monotonic() + 10  # host clock: a deadline
+        if deadline is not None and time.monotonic() > deadline:  # host clock: as above
             for index, proc in enumerate(procs):
                 if index not in codes:
                     proc.kill()  # SIGKILL: TensorFlow's runtime catches SIGTERM
