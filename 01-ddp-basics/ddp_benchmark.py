@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
 
@@ -41,11 +40,6 @@ FEATURES = 64
 
 # --------------------------------------------------------------------------------------------------
 # One world size: the same DDP step timed with and without its all-reduce
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # CUDA kernels are asynchronous: wait before reading a clock
 
 
 def build(args, d):
@@ -62,8 +56,7 @@ def build(args, d):
 
 def timed_step(ddp, opt, x, y, device, sync: bool) -> float:
     """Seconds of one optimizer step, with DDP's all-reduce (sync) or without it (no_sync)."""
-    synchronize(device)
-    t0 = time.perf_counter()
+    t0 = timing.clock(device)
     if sync:
         F.cross_entropy(ddp(x), y).backward()  # all-reduce overlapped with backward
     else:
@@ -71,8 +64,7 @@ def timed_step(ddp, opt, x, y, device, sync: bool) -> float:
             F.cross_entropy(ddp(x), y).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    synchronize(device)
-    return time.perf_counter() - t0
+    return timing.clock(device) - t0
 
 
 def bucket_sizes(ddp) -> list[int]:

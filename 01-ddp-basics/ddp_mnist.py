@@ -30,7 +30,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
-from dtcourse import cli, report
+from dtcourse import cli, report, timing
 
 SCRIPT = "01-ddp-basics/ddp_mnist.py"
 
@@ -77,7 +76,7 @@ def train(args, d: Dist):
                   f"{args.batch_size * d.world_size} global")
     accuracy_before = evaluate(model, test_loader, d.device)
     report.print0(f"before training: test accuracy {100 * accuracy_before:.2f}%")
-    losses, accuracies, t0 = [], [], time.perf_counter()
+    losses, accuracies, t0 = [], [], timing.clock(d.device)
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # without it every epoch repeats the same order
         epoch_losses = train_epoch(model, optimizer, train_loader, d.device, f"epoch {epoch + 1}")
@@ -90,7 +89,7 @@ def train(args, d: Dist):
                       f"{100 * accuracies[-1]:.2f}%")
     samples = len(losses) * args.batch_size * d.world_size
     finish(args, d, model, optimizer, losses, accuracy_before, accuracies,
-           samples / (time.perf_counter() - t0))
+           samples / (timing.clock(d.device) - t0))
 
 
 class ConvNet(nn.Module):

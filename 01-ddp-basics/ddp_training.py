@@ -24,7 +24,6 @@ import os
 import random
 import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtcourse import cli, comm, launch, report
+from dtcourse import cli, comm, launch, report, timing
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
 from dtcourse.profiling import nvtx_range
@@ -285,7 +284,7 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, rec
     bar = report.progress(args.steps, "train", initial=start_step)
     for step in range(start_step, args.steps):
         if step == start_step + 1:
-            t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
+            t_start = timing.clock(d.device)  # the first step pays for warm-up; time the rest
         launch.inject_failure(args, d.rank, step)
         lr = optimizer.param_groups[0]["lr"]  # the LR this step uses; the scheduler then moves it
         with measure(step, args.steps, args.count_allreduces) as counter:
@@ -318,7 +317,7 @@ def loop(args, d, model, ddp, optimizer, scheduler, scaler, start_step: int, rec
             bar.close()
             return None
     bar.close()
-    samples_per_s = timed_samples / (time.perf_counter() - t_start) if timed_samples else None
+    samples_per_s = timed_samples / (timing.clock(d.device) - t_start) if timed_samples else None
     return losses, samples_per_s, comms
 
 

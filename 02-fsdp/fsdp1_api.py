@@ -31,7 +31,6 @@ dtcourse.data token_batch), so the runs compare with it. The output is in 02-fsd
 
 import contextlib
 import functools
-import time
 import weakref
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_p
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.comm import CollectiveCounter
 from dtcourse.data import rank_rows, token_batch
 from dtcourse.models import GPT, Block, gpt_parameter_count, init_gpt
@@ -306,11 +305,9 @@ def train(args, api: str, strategy: str, wrap: str, d, several: bool):
     timed, t_start, elapsed = list(range(2, args.steps)), None, None
     for step in range(args.steps):
         if timed and step == 1:  # start the clock before step 2
-            synchronize(d.device)
-            t_start = time.perf_counter()
+            t_start = timing.clock(d.device)
         if timed and step == args.steps - 1:  # ... and stop it before step S, the measured one
-            synchronize(d.device)
-            elapsed = time.perf_counter() - t_start
+            elapsed = timing.clock(d.device) - t_start
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         x, y = x_all[rows].to(d.device), y_all[rows].to(d.device)
         # Measure the last step, a complete steady-state one (both probes run Python after every
@@ -369,12 +366,6 @@ def train(args, api: str, strategy: str, wrap: str, d, several: bool):
                       f"{held['unit_gather_bytes']:,} B; the whole model in fp32 "
                       f"{4 * n_params:,} B)")
     return metrics, full_sd
-
-
-def synchronize(device) -> None:
-    """Wait for the GPU's queued work before reading the clock (nothing to wait for on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ only its own ranks' files, and the other nodes would not find the step_* directo
 
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import torch
@@ -42,7 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import ResidualMLP
 
@@ -170,7 +169,7 @@ def train(args, d):
     report.print0(f"world {d.world_size} | device {d.device} | global batch {global_bs} | "
                   f"steps {start_step}..{args.steps}")
 
-    losses, saved, t_start = [], [], time.perf_counter()
+    losses, saved, t_start = [], [], timing.clock(d.device)
     bar = report.progress(args.steps, "train", initial=start_step)
     for step in range(start_step, args.steps):
         launch.inject_failure(args, d.rank, step)
@@ -195,7 +194,7 @@ def train(args, d):
             bar.close()
             return
     bar.close()
-    samples_per_s = (args.steps - start_step) * global_bs / (time.perf_counter() - t_start)
+    samples_per_s = (args.steps - start_step) * global_bs / (timing.clock(d.device) - t_start)
     report.print0(f"done: steps {start_step}..{args.steps}, {samples_per_s:.0f} samples/s")
     finish(args, d, model, optimizer, losses, global_bs, samples_per_s, start_step, resumed,
            saved)

@@ -33,7 +33,6 @@ other, never reduced, and freed by finish_gradient_synchronization().
 
 import hashlib
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.data import rank_rows
 
 SCRIPT = "02-fsdp/fsdp_from_scratch.py"
@@ -282,14 +281,14 @@ def train(args, d):
     losses, t_start = [], None
     for step in range(args.steps):
         if step == 1:
-            t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
+            t_start = timing.clock(d.device)  # the first step pays for warm-up; time the rest
         losses.append(train_step(args, d, fsdp, optimizer, step).item())
         if reference is not None:
             x, y = global_batch(args.seed, step, d.world_size * args.batch_size)
             reference.step(x.to(d.device), y.to(d.device))
         if (step + 1) % 4 == 0 or step == 0:
             report.print0(f"step {step + 1:3d}/{args.steps} | loss {losses[-1]:.4f}")
-    elapsed = time.perf_counter() - t_start if t_start else float("nan")
+    elapsed = timing.clock(d.device) - t_start if t_start else float("nan")
     samples_per_s = (args.steps - 1) * d.world_size * args.batch_size / elapsed \
         if args.steps > 1 else float("nan")
     finish(args, d, fsdp, optimizer, numels, trainable, losses, samples_per_s, reference)

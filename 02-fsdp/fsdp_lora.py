@@ -25,7 +25,6 @@ dtcourse.data.token_batch, as in fsdp_transformer.py. The output is in 02-fsdp/f
 """
 
 import contextlib
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.comm import CollectiveCounter
 from dtcourse.data import rank_rows, token_batch
 from dtcourse.models import GPT, gpt_init_value, init_gpt
@@ -169,11 +168,9 @@ def train(args, method: str, d):
     timed, t_start, elapsed = list(range(2, args.steps)), None, None
     for step in range(args.steps):
         if timed and step == 1:  # start the clock before step 2
-            synchronize(d.device)
-            t_start = time.perf_counter()
+            t_start = timing.clock(d.device)
         if timed and step == args.steps - 1:  # ... and stop it before step S, the counted one
-            synchronize(d.device)
-            elapsed = time.perf_counter() - t_start
+            elapsed = timing.clock(d.device) - t_start
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         x, y = x_all[rows].to(d.device), y_all[rows].to(d.device)
         comm = CollectiveCounter() if step == args.steps - 1 else contextlib.nullcontext()
@@ -217,12 +214,6 @@ def base_unchanged(state_dict: dict, args) -> int:
     return sum(torch.equal(v, gpt_init_value(k.replace(".base.", "."), v.shape, args.seed,
                                              args.layers))
                for k, v in state_dict.items() if ".lora_" not in k)
-
-
-def synchronize(device) -> None:
-    """Wait for the GPU's queued work before reading the clock (nothing to wait for on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ token_batch: the same model and data as lessons 03 and 05, so their runs compare
 """
 
 import contextlib
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.comm import CollectiveCounter
 from dtcourse.data import rank_rows, token_batch
 from dtcourse.models import GPT, init_gpt
@@ -192,11 +191,9 @@ def train(args, strategy: str, d):
     bar = report.progress(args.steps, strategy)
     for step in range(args.steps):
         if timed and step == 1:  # start the clock before step 2
-            synchronize(d.device)
-            t_start = time.perf_counter()
+            t_start = timing.clock(d.device)
         if timed and step == args.steps - 1:  # ... and stop it before step S, the counted one
-            synchronize(d.device)
-            elapsed = time.perf_counter() - t_start
+            elapsed = timing.clock(d.device) - t_start
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         # Count the collectives of the last step (a complete, steady-state step).
         comm = CollectiveCounter() if step == args.steps - 1 else contextlib.nullcontext()

@@ -48,6 +48,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dtcourse import cli, launch, report  # noqa: E402
+from dtcourse import timing
 from dtcourse.comm import CollectiveCounter  # noqa: E402
 from dtcourse.data import rank_rows, token_batch  # noqa: E402
 from dtcourse.models import GPT, gpt_init_value  # noqa: E402
@@ -386,7 +387,7 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
     bar = report.progress(args.steps, "train", initial=start_step)
     for step in range(start_step, args.steps):
         if step == start_step + 1:  # the first step pays for warm-up; time the rest
-            t_start, cpu_start = time.perf_counter(), time.process_time()
+            t_start, cpu_start = timing.clock(d.device), time.process_time()
         launch.inject_failure(args, d.rank, step)
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         # This rank's rows: r*B*A .. (r+1)*B*A - 1, cut into grad_accum micro-batches of B.
@@ -430,7 +431,7 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
             bar.close()
             return None
     bar.close()
-    elapsed = time.perf_counter() - t_start if t_start else float("nan")
+    elapsed = timing.clock(d.device) - t_start if t_start else float("nan")
     timed_steps = args.steps - start_step - 1
     return {"losses": losses, "census": census, "comms": comms, "comms_by_phase": comms_by_phase,
             "samples_per_s": timed_samples / elapsed if timed_samples else float("nan"),

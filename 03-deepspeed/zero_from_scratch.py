@@ -27,14 +27,13 @@ Set-up, metrics and export come from the course's shared module, dtcourse; the d
 classification_batch (lesson 01's task).
 """
 
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.data import classification_batch, rank_rows
 
 SCRIPT = "03-deepspeed/zero_from_scratch.py"
@@ -210,7 +209,7 @@ def train(args, d):
     losses, held, t_start = [], None, None
     for step in range(args.steps):
         if step == 1:
-            t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
+            t_start = timing.clock(d.device)  # the first step pays for warm-up; time the rest
         x, y = classification_batch(args.seed, step, global_bs)
         rows = rank_rows(d.rank, args.batch_size)
         loss = F.cross_entropy(model(x[rows].to(d.device)), y[rows].to(d.device))
@@ -225,7 +224,7 @@ def train(args, d):
         losses.append(mean.item() / d.world_size)
         if (step + 1) % 10 == 0 or step == 0:
             report.print0(f"step {step + 1:3d}/{args.steps} | loss {losses[-1]:.4f}")
-    elapsed = time.perf_counter() - t_start if t_start else float("nan")
+    elapsed = timing.clock(d.device) - t_start if t_start else float("nan")
     samples_per_s = global_bs * (args.steps - 1) / elapsed if t_start else float("nan")
     report_run(args, d, model, opt, losses, held, samples_per_s)
 

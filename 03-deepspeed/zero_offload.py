@@ -34,7 +34,6 @@ Set-up, metrics and export come from the course's shared module, dtcourse.
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -42,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 
 SCRIPT = "03-deepspeed/zero_offload.py"
 HERE = Path(__file__).resolve().parent
@@ -186,7 +185,7 @@ def train_one(path: Path, config: dict, args, d, deepspeed) -> dict:
     copies = StepCopies(engine.optimizer.optimizer, model)
     for step in range(args.steps):
         if step == 1:
-            t0 = time.perf_counter()
+            t0 = timing.clock(d.device)
         last = step == args.steps - 1
         x, y = batch(args.seed, step, args.batch_size * d.world_size, args.width)
         rows = slice(d.rank * args.batch_size, (d.rank + 1) * args.batch_size)
@@ -208,7 +207,7 @@ def train_one(path: Path, config: dict, args, d, deepspeed) -> dict:
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # the loss over the global batch
         losses.append(mean.item() / d.world_size)
-    step_s = (time.perf_counter() - t0) / (args.steps - 1) if t0 else float("nan")
+    step_s = (timing.clock(d.device) - t0) / (args.steps - 1) if t0 else float("nan")
     if args.export:
         export(engine, model, deepspeed, args, path.stem, d)
     engine.destroy()

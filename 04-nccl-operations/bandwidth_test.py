@@ -31,13 +31,12 @@ NCCL_ALGO set, or by timing many back-to-back ops between two CUDA events.
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 
 # torch 2.14 deprecates all_gather_into_tensor / reduce_scatter_tensor for the *_single names.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -202,11 +201,11 @@ def measure(op, nbytes, dtype_name, args, rank, n, device) -> dict:
     for it in range(args.warmup + args.iters):
         sync(device)
         dist.barrier()  # start together; the barrier is outside the timed region
-        t0 = time.perf_counter()
+        t0 = timing.clock(device)
         run()
-        sync(device)  # NCCL calls return before the GPU has finished
+        took = timing.clock(device) - t0  # NCCL calls return before the GPU has finished
         if it >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(took)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends when its last rank does
 

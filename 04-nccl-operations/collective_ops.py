@@ -116,9 +116,9 @@ def barrier(r, n, dev):
     """
     if r == n - 1:
         time.sleep(0.2)
-    arrive = time.time()
+    arrive = time.time()  # host clock: when this host arrives at the barrier and leaves it
     dist.barrier()
-    leave = time.time()
+    leave = time.time()  # host clock: as above
     times = torch.zeros(n, 2, dtype=torch.float64, device=dev)
     times[r, 0], times[r, 1] = arrive, leave
     dist.all_reduce(times)  # every rank learns every rank's (arrive, leave)

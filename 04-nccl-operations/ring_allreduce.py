@@ -45,14 +45,13 @@ segments (--segment, 4 MiB) lets segment k+1 travel while segment k is added, as
 import re
 import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -456,12 +455,11 @@ def time_algorithms(algos: dict, numel: int, dtype, args, device) -> dict[str, f
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dist.barrier()  # everybody starts together; the barrier itself is not timed
-            t0 = time.perf_counter()
+            t0 = timing.clock(device)
             fn(work)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            took = timing.clock(device) - t0  # on CUDA: once the queued kernels have run
             if it >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(took)
     # A collective is finished when its slowest rank is: take the max over ranks per iteration.
     t = torch.tensor([times[name] for name in algos], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

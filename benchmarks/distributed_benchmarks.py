@@ -254,7 +254,7 @@ def torchrun(nproc: int, script: str, args: list, timeout_s: float, tag: str) ->
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.setdefault("OMP_NUM_THREADS", "1")  # fixed resources per rank: scaling is comparable
     print(f"[{tag}] {shlex.join(cmd)}", flush=True)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # host clock: a launch's wall time, start to exit
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -269,7 +269,7 @@ def torchrun(nproc: int, script: str, args: list, timeout_s: float, tag: str) ->
         print(out[-3000:], file=sys.stderr)
         print(f"error: exit status {proc.returncode}: {shlex.join(cmd)}", file=sys.stderr)
         sys.exit(1)
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0  # host clock: as above
     print(f"[{tag}]   done in {seconds:.1f} s", flush=True)
     return {"command": shlex.join(cmd), "seconds": round(seconds, 2)}
 
@@ -604,9 +604,9 @@ def run_memory(args) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # host clock: the whole benchmark's wall time
     {"comm": run_comm, "train": run_train, "memory": run_memory}[args.command](args)
-    print(f"{args.command}: {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"{args.command}: {time.perf_counter() - t0:.0f} s", flush=True)  # host clock: as above
 
 
 if __name__ == "__main__":

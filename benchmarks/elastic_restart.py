@@ -54,13 +54,13 @@ def timed_run(args, ckpt_dir: Path, inject: bool) -> dict:
         cmd += ["--fail-at-step", str(args.fail_at_step), "--fail-rank", str(args.fail_rank)]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1")
     lines = []  # (time, stream, text)
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # host clock: when the launcher's lines arrive
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
 
     def pump(stream, name):
         for line in stream:
-            lines.append((time.monotonic() - t0, name, line.rstrip()))
+            lines.append((time.monotonic() - t0, name, line.rstrip()))  # host clock: as above
 
     threads = [threading.Thread(target=pump, args=(proc.stdout, "out")),
                threading.Thread(target=pump, args=(proc.stderr, "err"))]
@@ -69,7 +69,7 @@ def timed_run(args, ckpt_dir: Path, inject: bool) -> dict:
     proc.wait()
     for t in threads:
         t.join()
-    elapsed = time.monotonic() - t0
+    elapsed = time.monotonic() - t0  # host clock: the whole launch
     if proc.returncode != 0:
         tail = "\n".join(text for _, _, text in lines[-30:])
         sys.exit(f"torchrun failed ({'with' if inject else 'without'} the fault):\n{tail}")

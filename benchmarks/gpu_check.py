@@ -86,7 +86,7 @@ def versions() -> dict:
 
 def run_part(cmd: list, budget_s: float, env: dict | None = None) -> dict:
     """Run one part with a timeout; its status, seconds and the tail of its output."""
-    start = time.monotonic()
+    start = time.monotonic()  # host clock: a part's wall time against its budget
     # its own session, so that a timeout stops the launched ranks too, not only the launcher
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -97,7 +97,7 @@ def run_part(cmd: list, budget_s: float, env: dict | None = None) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         text, _ = proc.communicate()
         status = f"timed out after {budget_s:.0f} s"
-    return {"status": status, "seconds": round(time.monotonic() - start, 1),
+    return {"status": status, "seconds": round(time.monotonic() - start, 1),  # host clock: as above
             "output_tail": text[-4000:]}
 
 
@@ -144,7 +144,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    start = time.monotonic()
+    start = time.monotonic()  # host clock: the check's wall time against its budget
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
     result: dict = {"skipped": None, "gpu": None, **versions(), "parts": {}, "figures": []}
@@ -158,10 +158,11 @@ def main(argv=None) -> int:
             result.update({k: v for k, v in versions().items() if k in PACKAGES})
         figures_file = args.out / "figures.jsonl"
         figures_file.unlink(missing_ok=True)
-        left = TOTAL_BUDGET_S - 20 - (time.monotonic() - start)  # 20 s to write the report
+        spent = time.monotonic() - start  # host clock: the budget's wall time so far
+        left = TOTAL_BUDGET_S - 20 - spent  # 20 s kept to write the report
         result["parts"]["gpu tier"] = gpu_tier(figures_file, min(args.tier_budget_s, left))
         result["figures"] = read_figures(figures_file)
-    result["seconds"] = round(time.monotonic() - start, 1)
+    result["seconds"] = round(time.monotonic() - start, 1)  # host clock: as above
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "gpu_check.md").write_text(table(result))
     print(table(result))

@@ -355,8 +355,8 @@ def _wait_for_idle_gloo_workers(timeout_s: float = 5.0) -> None:
     has not run for two polls in a row."""
     if not os.path.isdir("/proc/self/task"):
         return
-    before, deadline = _gloo_workers(), time.monotonic() + timeout_s
-    while before and time.monotonic() < deadline:
+    before, deadline = _gloo_workers(), time.monotonic() + timeout_s  # host clock: a deadline
+    while before and time.monotonic() < deadline:  # host clock: as above
         time.sleep(0.01)
         now = _gloo_workers()
         if now == before and all(state == "S" for state, _ in now.values()):

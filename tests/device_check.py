@@ -25,10 +25,23 @@ pass reads the source (the `ast` of each script) and reports:
                  fails (pytorch#148532); "cpu:gloo,cuda:nccl" (cpu_collectives=...) routes them
                  to gloo.
 
+  raw-clock      a host wall clock (time.perf_counter, time.time, time.monotonic and their _ns
+                 forms) read in a script that may run on CUDA. On CUDA kernels and NCCL
+                 collectives are queued and the call returns at once, so a host timestamp around
+                 them measures how long the host took to queue the work; on a CPU with gloo the
+                 two are the same, so no CPU run shows it. The scripts time through
+                 dtcourse.timing (clock(device) drains the device's queue first; stamp(device)
+                 is a CUDA event on CUDA). A line that means the host's own time (a data
+                 loader's wait, a hang's wall time, a deadline) says so with a comment
+                 `# host clock: <why>` on the statement.
+
 A collective on a group meant to be gloo (an argument that names gloo or cpu) and scripts that
 refuse CUDA by design (they say why in GLOO_ONLY) are exempt. What no reading of the source can
-decide stays out: sizes that differ across ranks, timing a collective without synchronising,
-tensors that reach a collective from another function or an attribute.
+decide stays out: sizes that differ across ranks, and a CPU tensor that reaches a collective from
+another function or an attribute. The one such tensor the course shipped, FSDP's CPU-offloaded
+gradient shards all-reduced by clip_grad_norm_, is what offload-group guards; and a script that
+does keep such tensors starts its group as "cpu:gloo,cuda:nccl" (dtcourse.launch's
+cpu_collectives), which routes CPU tensors to gloo instead of failing.
 """
 
 from __future__ import annotations
@@ -220,6 +233,39 @@ def _offload_group(tree: ast.AST, path: str) -> list[str]:
     return found
 
 
+HOST_CLOCKS = {"perf_counter", "perf_counter_ns", "time", "time_ns", "monotonic", "monotonic_ns"}
+HOST_CLOCK_NOTE = "# host clock:"
+
+
+def _raw_clock(tree: ast.AST, source: str, path: str) -> list[str]:
+    """raw-clock: a host wall clock read without `# host clock: <why>` on its statement."""
+    imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and n.module == "time" for a in n.names if a.name in HOST_CLOCKS}
+    lines = source.splitlines()
+    # the simple statements' line spans: a comment anywhere on the statement exempts its clocks
+    spans = sorted(((n.lineno, n.end_lineno) for n in ast.walk(tree)
+                    if isinstance(n, ast.stmt) and not hasattr(n, "body")),
+                   key=lambda span: span[1] - span[0])
+    found = []
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call):
+            continue
+        func = call.func
+        named = (isinstance(func, ast.Attribute) and func.attr in HOST_CLOCKS
+                 and ast.unparse(func.value) == "time") or (
+                     isinstance(func, ast.Name) and func.id in imported)
+        if not named:
+            continue
+        first, last = next(((a, b) for a, b in spans if a <= call.lineno <= b),
+                           (call.lineno, call.end_lineno))
+        if any(HOST_CLOCK_NOTE in line for line in lines[first - 1:last]):
+            continue
+        found.append(f"{path}:{call.lineno}: raw-clock: {ast.unparse(func)}() in a script that "
+                     "may run on CUDA measures when the host queued the work: time with "
+                     "dtcourse.timing.clock(device), or say `# host clock: <why>` on the line")
+    return found
+
+
 def check_source(source: str, path: str = "<source>") -> list[str]:
     """Findings for one file's source, each 'path:line: kind: what'."""
     tree = ast.parse(source)
@@ -228,7 +274,7 @@ def check_source(source: str, path: str = "<source>") -> list[str]:
         return []  # refuses --device cuda by design (receive-from-any-source and the like)
     checker = _Checker(path)
     checker.visit(tree)
-    checker.findings += _offload_group(tree, path)
+    checker.findings += _offload_group(tree, path) + _raw_clock(tree, source, path)
     return list(dict.fromkeys(checker.findings))  # a nested function is walked twice
 
 

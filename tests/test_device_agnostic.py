@@ -1,4 +1,5 @@
-"""No lesson script sends a CPU tensor to a collective or calls CUDA without a guard.
+"""No lesson script sends a CPU tensor to a collective, calls CUDA without a guard, or times GPU
+work with the host's clock.
 
 The suite runs on gloo, which accepts tensors on any device; NCCL does not, and a bare CUDA call
 fails where no GPU exists. tests/device_check.py reads the source and reports both. It must find
@@ -153,4 +154,54 @@ def main(args):
 def main(args):
     with launch.distributed(args.device, args.timeout_s) as d:
         pass
+""") == []
+
+
+# A host clock around GPU work: communication_overlap.py timed each step and each collective's
+# launch with time.perf_counter() and no synchronisation, so on CUDA its step, exposed-
+# communication and overlap columns measured how long the host took to queue the kernels. Its
+# lines as they were, and the same clock imported by name:
+RAW_CLOCK_ONCE_SHIPPED = {
+    "communication_overlap": ("""
+def sync_naive(params, world, log):
+    for p in params:
+        log.append(time.perf_counter())
+        dist.all_reduce(p.grad)
+def measure(variants, records, x, y):
+    for v in variants:
+        rec = records[v.tag]
+        t0 = time.perf_counter()
+        loss, t_backward = v.step(x, y)
+        rec["times"].append(time.perf_counter() - t0)
+""", 3),
+    "imported by name": ("""
+from time import monotonic as now, perf_counter
+def step(model, x):
+    t0 = perf_counter()
+    model(x).sum().backward()
+    return now() - t0
+""", 2),
+}
+
+
+@pytest.mark.parametrize("name", RAW_CLOCK_ONCE_SHIPPED)
+def test_the_check_finds_a_host_clock_around_device_work(name):
+    source, count = RAW_CLOCK_ONCE_SHIPPED[name]
+    found = check_source(source)
+    assert [f.split(": ")[1] for f in found] == ["raw-clock"] * count, found
+
+
+def test_the_device_clock_and_a_host_clock_that_says_why_pass():
+    assert check_source("""
+def measure(step, device, loader):
+    t0 = timing.clock(device)
+    step()
+    seconds = timing.clock(device) - t0
+    start, end = timing.stamp(device), timing.stamp(device)
+    t_ready = time.perf_counter()  # host clock: the loader's wait is the host's
+    batch = next(loader)
+    wait = (time.perf_counter()  # host clock: as above
+            - t_ready)
+    deadline = time.monotonic() + 10  # host clock: a deadline
+    cpu = time.process_time()
 """) == []

@@ -12,6 +12,8 @@ GPU table's lookup runs on any machine). With one GPU:
   * tokens/s and MFU of `fsdp_transformer.py` in bf16 (6N + 12LHQT FLOPs per token over the GPU's
     dense bf16 peak), printed with the GPU's name;
   * HBM copy bandwidth, the single-GPU bound for the bandwidth test;
+  * dtcourse.timing's clock against the host clock around queued kernels: the host clock alone
+    returns before the GPU has finished (what the device check's raw-clock class is about);
   * one strategy's peak memory measured in its own process and again after another strategy ran
     in the same process (as fsdp_transformer.py and distributed_benchmarks.py run them): equal.
     A CPU test beside it checks the sequencing itself: every object of the previous strategy is
@@ -342,3 +344,51 @@ def test_the_previous_strategy_is_freed_before_the_next_peak_starts():
     assert out.returncode == 0, out.stderr[-3000:]
     alive = eval(out.stdout.split("ALIVE AT RESET", 1)[1])
     assert alive == [{}, {"ddp": 0}], alive
+
+
+@NO_GPU
+@pytest.mark.gpu
+def test_the_device_clock_waits_for_the_kernels_the_host_clock_does_not():
+    """A chain of matmuls queued on the GPU: time.perf_counter() around the calls alone measures
+    the queueing; timing.clock() and two stamps (CUDA events) measure the kernels, and agree."""
+    import time
+
+    from dtcourse import timing
+    device = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=device)
+    for _ in range(3):  # warm-up: cuBLAS handles, the allocator
+        a @ a
+    torch.cuda.synchronize(device)
+    t0 = timing.clock(device)
+    start = timing.stamp(device)
+    host0 = time.perf_counter()  # host clock: the quantity under test
+    for _ in range(50):
+        b = a @ a
+    queued = time.perf_counter() - host0  # host clock: as above
+    end = timing.stamp(device)
+    measured = timing.clock(device) - t0
+    events = timing.seconds(start, end)
+    print(f"\n50 matmuls 4096^3: host clock {queued * 1e3:.2f} ms, timing.clock "
+          f"{measured * 1e3:.2f} ms, CUDA events {events * 1e3:.2f} ms on "
+          f"{torch.cuda.get_device_name()}")
+    record("device_clock", "host_clock_ms", round(queued * 1e3, 3))
+    record("device_clock", "device_clock_ms", round(measured * 1e3, 3))
+    # 50 x 2 x 4096^3 = 6.9 TFLOP: above 7 ms at any fp32/TF32 rate a GPU reaches today, while
+    # queueing 50 launches takes well under a millisecond each
+    assert measured > 2 * queued
+    assert events <= measured * 1.05 and events > 0.5 * measured
+    del b
+
+
+def test_the_device_clock_on_a_cpu_is_the_host_clock():
+    """On a CPU the work is done when the call returns: clock() and stamp() read the host clock,
+    and seconds() subtracts two stamps."""
+    import time
+
+    from dtcourse import timing
+    cpu = torch.device("cpu")
+    t0, s0 = timing.clock(cpu), timing.stamp(cpu)
+    time.sleep(0.05)
+    t1, s1 = timing.clock(cpu), timing.stamp(cpu)
+    assert isinstance(s0, float) and 0.05 <= t1 - t0 < 5
+    assert 0.05 <= timing.seconds(s0, s1) < 5

@@ -9,7 +9,6 @@ model on the whole global batch beside DDP, from the same seed, and the differen
 """
 
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtcourse import cli, comm, launch, report
+from dtcourse import cli, comm, launch, report, timing
 from dtcourse.data import classification_batch, rank_rows
 
 MiB = 1024 * 1024
@@ -128,17 +127,10 @@ def verdict(diff: float, tol: float = EQUAL_TOL) -> str:
     return f"equal (max |diff| < {tol:.0e})" if diff < tol else f"DIFFERENT (max |diff| {diff:.2e})"
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn, device: torch.device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
+    t0 = timing.clock(device)
     fn()
-    sync(device)
-    return time.perf_counter() - t0
+    return timing.clock(device) - t0
 
 
 def allreduces(counter: comm.CollectiveCounter) -> list[dict]:

@@ -7,7 +7,6 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 01-ddp-basics/internals/join.py
 """
 
-import time
 
 import torch
 import torch.nn as nn
@@ -16,7 +15,7 @@ from common import EQUAL_TOL, Demo, allreduces, build, local_batch, main, max_di
     verdict, worst, wrap
 from torch.distributed.algorithms.join import Join
 
-from dtcourse import comm, report
+from dtcourse import comm, report, timing
 from dtcourse.models import MLP
 
 SCRIPT = "01-ddp-basics/internals/join.py"
@@ -38,7 +37,7 @@ def demo(args, d, checks, exports) -> dict:
     ddp = wrap(make, args, d)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     per_step = []
-    t0 = time.perf_counter()
+    t0 = timing.clock(d.device)
     # Under Join, every step of a rank that still trains starts with an all-reduce saying "I am
     # here" (and one saying whether to sync gradients); a rank that ran out answers them, and
     # shadows each gradient bucket's all-reduce with zeros, until every rank has joined.
@@ -47,7 +46,7 @@ def demo(args, d, checks, exports) -> dict:
             with comm.CollectiveCounter() as counter:
                 sgd_step(ddp, opt, *local_batch(args, d, step))
             per_step.append([r["tensor_bytes"] for r in allreduces(counter)])
-    seconds, = worst(d, time.perf_counter() - t0)
+    seconds, = worst(d, timing.clock(d.device) - t0)
     exports["join"] = ddp.module
     expected, other = join_reference(make, args, d), join_reference(make, args, d, False)
     diff, diff_other = worst(d, max_diff(ddp.module, expected), max_diff(ddp.module, other))

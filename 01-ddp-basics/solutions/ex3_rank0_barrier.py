@@ -45,13 +45,13 @@ def run(args, d) -> dict:
             dist.all_reduce(loss)
             if step + 1 == args.barrier_at_step and d.rank == 0:  # the bug: one rank only
                 where = f"step {step + 1}: dist.barrier() (rank 0 only)"
-                t0 = time.perf_counter()
+                t0 = time.perf_counter()  # host clock: how long the host waits for the timeout
                 dist.barrier()
             if step + 1 == args.barrier_at_step:
-                t0 = t0 or time.perf_counter()
+                t0 = t0 or time.perf_counter()  # host clock: as above
         outcome = {"rank": d.rank, "error": None, "where": "finished every step"}
     except Exception as exc:  # noqa: BLE001 - the point: show what each rank is told
-        waited = time.perf_counter() - t0 if t0 else None
+        waited = time.perf_counter() - t0 if t0 else None  # host clock: as above
         lines = str(exc).strip().splitlines() or [""]
         first = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", lines[0])  # drop gloo's source path
         outcome = {"rank": d.rank, "error": type(exc).__name__, "message": first,

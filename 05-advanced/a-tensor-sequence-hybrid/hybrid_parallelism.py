@@ -33,7 +33,6 @@ import inspect
 import logging
 import math
 import statistics
-import time
 import warnings
 
 import torch
@@ -41,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.comm import CollectiveCounter
 from dtcourse.data import rank_rows, token_batch
 from dtcourse.models import GPT, init_gpt
@@ -212,15 +211,14 @@ def train(args, d):
         x, y = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         rows = rank_rows(dp_rank, args.batch_size)
         x, y = x[rows].to(d.device), y[rows].to(d.device)
-        t0 = time.perf_counter()
+        t0 = timing.clock(d.device)
         # Step 2 runs under the counter (step 1 also carries the pipeline's one-time exchange of
         # shapes); the steps after it are timed.
         with comm if step == 1 else contextlib.nullcontext():
             loss = train_step(model, schedule, optimizer, x, y, first, last)
-        if d.device.type == "cuda":
-            torch.cuda.synchronize(d.device)
+        took = timing.clock(d.device) - t0
         if step > 1:
-            step_s.append(time.perf_counter() - t0)
+            step_s.append(took)
         # Mean loss over the global batch: the last stage of each data-parallel rank holds its
         # rows' mean (tp times, once per TP rank); everyone else adds zero.
         total = loss.detach().float().reshape(1) if last else torch.zeros(1, device=d.device)

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from torch.distributed.pipelining import PipelineStage
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.data import classification_batch
 from dtcourse.models import ResidualMLP
 
@@ -534,13 +534,14 @@ class Recorder:
         self.reset()
 
     def reset(self):
-        self.t0 = time.perf_counter()
+        # host clock: every reading follows device_done(), which drains this stream only
+        self.t0 = timing.clock(d.device)
         self.events, self.forwards = [], {}
         self.held = self.peak_held = 0
         self.meter.peak = self.meter.live
 
     def now(self):
-        return time.perf_counter() - self.t0
+        return time.perf_counter() - self.t0  # host clock: see reset()
 
 
 class _OnBackward(torch.autograd.Function):
@@ -664,7 +665,7 @@ def train(args, d):
     bar = report.progress(args.steps, "train")
     for step in range(args.steps):
         if step == 1:
-            t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
+            t_start = timing.clock(d.device)  # the first step pays for warm-up; time the rest
         x, y = classification_batch(args.seed, step, args.batch_size)  # every stage: same rows
         loss = pipe.step(x, y, fixed_cost=True)
         optimizer.step()
@@ -677,7 +678,7 @@ def train(args, d):
         if d.rank == 0 and ((step + 1) % 5 == 0 or step in (0, args.steps - 1)):
             bar.write(f"step {step + 1:4d}/{args.steps} | loss {losses[-1]:.4f}")
     bar.close()
-    elapsed = time.perf_counter() - t_start if t_start else float("nan")
+    elapsed = timing.clock(d.device) - t_start if t_start else float("nan")
     samples_per_s = (args.steps - 1) * args.batch_size / elapsed if t_start else float("nan")
     report_run(args, d, pipe, optimizer, losses, samples_per_s)
 

@@ -30,13 +30,12 @@ inside each block would tile it).
 """
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 
 SCRIPT = "05-advanced/b-pipeline-expert-context/ring_attention.py"
 
@@ -249,14 +248,12 @@ def time_case(args, ring, mine, T, causal, device):
     for _ in range(args.repeats):                          # alternate, so drift hits all three
         for overlap in (True, False, "traffic"):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = timing.clock(device)
             if ring is not None and overlap == "traffic":
                 ring_traffic_only(mine[1], T, ring)
             elif ring is not None:
                 run_ring(*mine, T, causal, overlap, ring)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            took = torch.tensor([time.perf_counter() - t0], device=device)
+            took = torch.tensor([timing.clock(device) - t0], device=device)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)    # the slowest rank sets the pace
             times[overlap].append(took.item())
     return (statistics.median(times[True]), statistics.median(times[False]),

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
 
@@ -164,7 +164,7 @@ def run_mode(args, mode, d, group) -> tuple:
     """This rank's part of one mode; returns (final weights on rank 0, this rank's record)."""
     workers, worker = d.world_size - 1, d.rank - 1  # rank 0 is the server / coordinator
     dist.barrier()
-    t0 = time.perf_counter()
+    t0 = timing.clock(d.device)
     model, row = new_model(args), {}
     if mode == "async":
         if d.rank == 0:
@@ -175,7 +175,7 @@ def run_mode(args, mode, d, group) -> tuple:
     elif d.rank > 0:
         model, losses, allreduces = run_sync_or_local(args, mode, worker, workers, group)
         row = {"losses": losses, "allreduces": allreduces}
-    row["wall_s"] = time.perf_counter() - t0
+    row["wall_s"] = timing.clock(d.device) - t0
     # The final weights: the server holds them (async), every worker does (sync, local: the last
     # step averaged them). Rank 0 gets them from rank 1 for the held-out loss and the export.
     holder = 0 if mode == "async" else 1

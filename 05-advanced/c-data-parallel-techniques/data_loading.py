@@ -105,7 +105,7 @@ def write_memmap(path: Path, jpegs, size: int, kept: bool) -> None:
     """Rank 0 only: preprocess every image into a uint8 file, under a temporary name first.
     `kept`: under --cache-dir, where later runs find it (else a temporary directory, whose
     name changes with every run: only the file's name is printed)."""
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # host clock: preprocessing runs on the host
     rows = np.memmap(path.with_suffix(".tmp"), dtype=np.uint8, mode="w+",
                      shape=(len(jpegs), 3, size, size))
     rows[:] = preprocess(jpegs, size).numpy()
@@ -113,7 +113,8 @@ def write_memmap(path: Path, jpegs, size: int, kept: bool) -> None:
     del rows
     path.with_suffix(".tmp").replace(path)  # an atomic rename: the complete file, or none
     where = str(path) if kept else f"{path.name} (in a temporary directory)"
-    print(f"preprocessed {len(jpegs)} images into {where} in {time.perf_counter() - t0:.2f} s "
+    took = time.perf_counter() - t0  # host clock: as above
+    print(f"preprocessed {len(jpegs)} images into {where} in {took:.2f} s "
           f"(once; every later epoch{' and run' if kept else ''} reuses it)", flush=True)
 
 
@@ -337,10 +338,10 @@ def time_reads(args, d, memmap_path: Path, records_path: Path, labels) -> list[d
                 row[f"{state}_cached_pages_runs"].append(cached_pages(path))
                 dist.barrier()  # ... and looked, before anyone reads
                 loader = build()
-                t0 = time.perf_counter()
+                t0 = time.perf_counter()  # host clock: reading files is the host's work
                 for _ in loader:
                     pass
-                seconds = time.perf_counter() - t0
+                seconds = time.perf_counter() - t0  # host clock: as above
                 if isinstance(loader, QuasiRandomLoader):
                     row["reads_per_rank"] = report.gather(loader.records.reads)
                     loader.records.close()
@@ -437,9 +438,9 @@ def train_one_setting(args, d, dataset, workers: int):
     epoch0, losses = [], []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch (forgetting this repeats epoch 0)
-        t_ready = time.perf_counter()
+        t_ready = time.perf_counter()  # host clock: the loader's wait is the host's
         for images, labels, idx in loader:  # blocks while the next batch is not ready
-            t_got = time.perf_counter()
+            t_got = time.perf_counter()  # host clock: as above
             if epoch == 0 and not epoch0:
                 first_batch = t_got - t_ready  # includes starting the worker processes
             else:
@@ -447,7 +448,7 @@ def train_one_setting(args, d, dataset, workers: int):
             if epoch == 0:
                 epoch0 += idx.tolist()
             losses.append(train_step(d, model, optimizer, images, labels))
-            t_ready = time.perf_counter()
+            t_ready = time.perf_counter()  # host clock: train_step's .item() ends the step
             compute += t_ready - t_got
     del loader  # shuts the persistent workers down
     # Per-rank sums, then the mean over ranks (one small all-reduce, on the run's device: NCCL

@@ -34,14 +34,13 @@ train side by side (--normalize) from the same weights on the same data.
 """
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtcourse import cli, comm, launch, report
+from dtcourse import cli, comm, launch, report, timing
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
 
@@ -180,7 +179,7 @@ def train_variable_length(args, d):
 
     losses = {name: [] for name in runs}
     norms = {name: [] for name in runs}
-    tokens_per_step, t0 = [], time.perf_counter()
+    tokens_per_step, t0 = [], timing.clock(d.device)
     for step in range(args.steps):
         x_all, y_all = padded_token_batch(args.seed, step, sequences, args.seq_len)
         rows = rank_rows(d.rank, micro * accum)
@@ -222,7 +221,7 @@ def train_variable_length(args, d):
         if done % args.log_every == 0 or done in (1, args.steps):
             report.print0(f"step {done:2d}/{args.steps} | token-mean loss " + "  ".join(
                 f"{name} {losses[name][-1]:.4f}" for name in runs))
-    elapsed = time.perf_counter() - t0
+    elapsed = timing.clock(d.device) - t0
 
     per_step = {name: run[3].calls / args.steps for name, run in runs.items()}
     report.print0(f"done: {args.steps} steps; per optimizer step 1 all-reduce of the token "
@@ -277,7 +276,7 @@ def train(args, d):
     report.print0(f"world {d.world_size} | effective batch {effective} = micro-batch {micro} x "
                   f"accumulation {accum} x world {d.world_size} | SGD lr {args.lr:g}")
 
-    losses, norms, t0 = [], [], time.perf_counter()
+    losses, norms, t0 = [], [], timing.clock(d.device)
     for step in range(args.steps):
         x_all, y_all = classification_batch(args.seed, step, effective)
         # This rank's rows r*B*A .. (r+1)*B*A - 1, cut into A micro-batches of B in accumulate().
@@ -298,7 +297,7 @@ def train(args, d):
         if done % args.log_every == 0 or done in (1, args.steps):
             report.print0(f"step {done:2d}/{args.steps} | loss {losses[-1]:.4f} | grad norm "
                           f"{norms[-1]:.4f}")
-    elapsed = time.perf_counter() - t0
+    elapsed = timing.clock(d.device) - t0
 
     per_step = allreduces.calls / args.steps
     report.print0(f"done: {args.steps} steps, all-reduces per optimizer step: {per_step:g} "

@@ -25,7 +25,6 @@ figures/dp_figures.py draws the --metrics-out JSON.
 """
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
 
@@ -133,7 +132,7 @@ def train(method, args, d, counter):
     and samples/s."""
     model, ddp, state = make_model(method, args, d)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    losses, sent, t0 = [], [], time.perf_counter()
+    losses, sent, t0 = [], [], timing.clock(d.device)
     for step in range(args.steps):
         x_all, y_all = classification_batch(args.seed, step, d.world_size * args.batch_size)
         rows = rank_rows(d.rank, args.batch_size)
@@ -147,7 +146,7 @@ def train(method, args, d, counter):
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # mean loss over the global batch (not counted: not a gradient)
         losses.append(mean.item() / d.world_size)
-    samples_per_s = args.steps * d.world_size * args.batch_size / (time.perf_counter() - t0)
+    samples_per_s = args.steps * d.world_size * args.batch_size / (timing.clock(d.device) - t0)
     return model, optimizer, state, losses, sent, samples_per_s
 
 

@@ -133,14 +133,15 @@ def run_bug(args, d) -> int:
     # Rank r dumps 0.1 r s later than rank 0: the ranks share one stderr, and dumps written at
     # the same moment interleave character by character.
     faulthandler.dump_traceback_later(args.stack_dump_s + 0.1 * d.rank, exit=False)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # host clock: how long the host waits before an error
     try:
         BUGS[args.bug](d.rank, d.world_size, args.timeout_s)
     except Exception as exc:  # noqa: BLE001 - the point: turn any hang into one clear line
         faulthandler.cancel_dump_traceback_later()
         # One write for both lines: the ranks share stderr, and a single small write to a pipe is
         # not interleaved with another process's.
-        sys.stderr.write(f"[rank {d.rank}] error after {time.perf_counter() - t0:.1f} s "
+        waited = time.perf_counter() - t0  # host clock: as above
+        sys.stderr.write(f"[rank {d.rank}] error after {waited:.1f} s "
                          f"(--timeout-s {args.timeout_s:g}): {type(exc).__name__}: "
                          f"{short(str(exc))}\n[rank {d.rank}] hint: {HINTS[args.bug]}\n")
         sys.stderr.flush()

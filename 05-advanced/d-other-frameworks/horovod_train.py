@@ -36,12 +36,11 @@ The defaults in brackets are Horovod 0.28.1's (horovod/common/operations.cc).
 
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-from dtcourse import cli, report
+from dtcourse import cli, report, timing
 from dtcourse.data import classification_batch, rank_rows
 from dtcourse.models import MLP
 
@@ -128,7 +127,7 @@ def train(hvd, args, device):
     bar = report.progress(args.steps, "train", show=rank == 0)
     for step in range(args.steps):
         if step == 1:
-            t_start = time.perf_counter()  # the first step pays for warm-up; time the rest
+            t_start = timing.clock(device)  # the first step pays for warm-up; time the rest
         lr = optimizer.param_groups[0]["lr"]
         step_loss, grad_norm = train_step(args, rank, device, model, optimizer, scheduler, step)
         # The mean loss over the global batch: one more (small) all-reduce, for the report.
@@ -140,7 +139,7 @@ def train(hvd, args, device):
             bar.write(f"step {done:4d}/{args.steps} | loss {losses[-1]:.4f} | grad norm "
                       f"{grad_norm:.4f} | lr {lr:.5f}")
     bar.close()
-    elapsed = time.perf_counter() - t_start if t_start else None
+    elapsed = timing.clock(device) - t_start if t_start else None
     samples_per_s = (args.steps - 1) * args.global_batch / elapsed if elapsed else None
     print0(f"done: {args.steps} steps, "
            + (f"{samples_per_s:.0f} samples/s" if samples_per_s else "samples/s not measured"))
