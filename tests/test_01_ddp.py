@@ -393,7 +393,8 @@ def test_a_finished_run_launched_again_exports_the_same_model(tmp_path):
     assert "done: 1 steps, samples/s not measured (the first step is not timed)" in one.stdout
     # The smoothed loss at step 4 averages steps 1-4: the checkpoint carried steps 1-3's losses
     # (a window restarted at the resume would print "mean of last  1" and step 4's loss alone).
-    window = read_json(tmp_path / "first.json")["losses"] + read_json(tmp_path / "one.json")["losses"]
+    window = (read_json(tmp_path / "first.json")["losses"]
+              + read_json(tmp_path / "one.json")["losses"])
     assert len(window) == 4
     assert f"| mean of last  4 {sum(window) / 4:.4f} |" in one.stdout, one.stdout
 

@@ -403,8 +403,10 @@ def test_memory_quick_compares_measured_library_and_paper(memory, train):
     ("memory_estimator", ["--fits", "80", "--accounting", "library"], r"--fits uses the paper's"),
     ("memory_estimator", ["--params", "1e6", "--largest-param", "2e6", "--accounting", "library"],
      r"--largest-param must be a number of elements up to --params 1,000,000"),
-    ("memory_estimator", ["--params", "1e6", "--largest-param", "1e3"], r"add --accounting library"),
-    ("memory_estimator", ["--params", "1e6", "--reuse-distance", "-1"], r"--reuse-distance must be"),
+    ("memory_estimator", ["--params", "1e6", "--largest-param", "1e3"],
+     r"add --accounting library"),
+    ("memory_estimator", ["--params", "1e6", "--reuse-distance", "-1"],
+     r"--reuse-distance must be"),
 ])
 def test_bad_input_exits_2_with_one_line(script, args, pattern):
     result = run_python(f"benchmarks/{script}.py", *args, check=False, timeout=60)
