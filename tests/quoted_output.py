@@ -20,9 +20,9 @@ Convention (every Markdown file of the repository):
     tolerance ("tolerance 0.0001", "tol=1e-05", "< 1e-05") and below it, or, in a line about a
     difference ("diff", "difference", "max |a - b|", "error"), after those words and below
     DIFF_TOLERANCE (the float32 tolerance the equivalence tests use); a zero is exact. Such a
-    figure is float32 rounding: its digits depend on the CPU's kernels (03-deepspeed quoted a logit difference
-    2.86e-06 that another CPU printed as 3.81e-06), so it is refused unmarked on every machine,
-    before any run, and not compared once marked;
+    figure is float32 rounding: its digits depend on the CPU's kernels (03-deepspeed quoted a
+    logit difference 2.86e-06 that another CPU printed as 3.81e-06), so it is refused unmarked
+    on every machine, before any run, and not compared once marked;
   - `rel=X` after the block's language (```text rel=0.02) widens the 0.5% to X for that quote: a
     run whose trajectory rounding changes visibly (a convnet trained for two epochs) says so.
 
