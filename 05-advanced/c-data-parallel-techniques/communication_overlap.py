@@ -15,7 +15,8 @@ Five ways to average gradients, each training its own copy of the same model on 
                                                             from the tensor's grad hook
     bucketed  backward ....ar(b0)....ar(b1)|wait|           async all-reduce per bucket of ~cap MB,
                                                             launched when the bucket is full
-    ddp       torch DDP: buckets (bucket_cap_mb) + overlap, in C++
+    ddp       torch DDP: buckets (bucket_cap_mb) + overlap; its reducer is C++, the all-reduce
+              here goes through a Python comm hook that records each launch
 
 Communication hidden behind the rest of backward costs nothing; what is left after backward
 (`exposed` time) is what overlap tries to remove. Buckets trade the latency of many small
@@ -23,11 +24,14 @@ collectives against overlap: one huge bucket cannot start before backward ends.
 
 The variants train interleaved, step by step, so that a noisy neighbour on a shared machine slows
 all of them alike; the table compares each with a replica that trains without communicating.
-figures/dp_figures.py draws the --metrics-out JSON.
+Times come from dtcourse.timing: the step between two clock(device) reads (on CUDA each waits for
+the GPU to finish), each launch as a stamp(device) (on CUDA an event on the compute stream),
+measured from the moment the step's last gradient was accumulated, the same point for every
+variant. figures/dp_figures.py draws the --metrics-out JSON.
 """
 
+import inspect
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtcourse import cli, launch, report
+from dtcourse import cli, launch, report, timing
 from dtcourse.data import rank_rows
 
 SCRIPT = "05-advanced/c-data-parallel-techniques/communication_overlap.py"
@@ -118,7 +122,7 @@ def trainable_params(module: nn.Module) -> list:
 def sync_naive(params, world: int, log: list) -> None:
     """(a) After backward: one blocking all-reduce per gradient tensor, one after the other."""
     for p in params:
-        log.append(time.perf_counter())
+        log.append(timing.stamp(p.grad.device))
         dist.all_reduce(p.grad)  # sum over ranks, in place
         p.grad.div_(world)
 
@@ -127,7 +131,7 @@ def sync_flat(params, world: int, log: list) -> None:
     """(b) After backward: copy every gradient into one flat buffer and all-reduce it once.
     One collective instead of len(params): latency paid once, but nothing overlaps backward."""
     flat = torch.cat([p.grad.reshape(-1) for p in params])  # (sum of numels,)
-    log.append(time.perf_counter())
+    log.append(timing.stamp(flat.device))
     dist.all_reduce(flat)
     flat.div_(world)
     offset = 0
@@ -150,14 +154,14 @@ class DDPIndividualParameters(nn.Module):
         broadcast_from_rank0(module)
         self.world = dist.get_world_size()
         self.pending = []  # (param, async work) of this step, in launch order
-        self.launch_times = []  # perf_counter() at each launch: proves they start during backward
+        self.launch_times = []  # timing.stamp() at each launch: proves they start during backward
         for p in trainable_params(module):
             p.register_post_accumulate_grad_hook(self._launch)
 
     def _launch(self, p) -> None:
         # Runs inside backward, once per tensor per backward (a tied tensor's two uses are summed
         # by autograd before this hook fires). async_op: returns at once, gloo/NCCL works behind.
-        self.launch_times.append(time.perf_counter())
+        self.launch_times.append(timing.stamp(p.grad.device))
         self.pending.append((p, dist.all_reduce(p.grad, async_op=True)))
 
     def forward(self, *args, **kwargs):
@@ -175,6 +179,9 @@ class DDPBucketed(nn.Module):
     """(d) Buckets: gradients grouped into ~bucket_size_mb flat buffers in reverse parameter order
     (roughly the order backward produces them); a bucket's single async all-reduce starts as soon
     as its last gradient is ready. Fewer, larger collectives than (c), still overlapped.
+    DDP's rule: a tensor joins the open bucket, and the bucket closes once it holds the cap or
+    more (so a bucket can exceed the cap by one tensor, and a cap below every tensor gives one
+    tensor per bucket).
 
     Usage as DDPIndividualParameters; every trainable parameter must get a gradient each step.
     """
@@ -185,14 +192,13 @@ class DDPBucketed(nn.Module):
         broadcast_from_rank0(module)
         self.world = dist.get_world_size()
         cap = bucket_size_mb * 2**20
-        self.buckets, filled = [[]], 0  # lists of parameters; a tensor over the cap gets its own
+        self.buckets, filled = [[]], 0  # lists of parameters
         for p in reversed(trainable_params(module)):
-            size = p.numel() * p.element_size()
-            if self.buckets[-1] and filled + size > cap:
+            if filled >= cap:  # the open bucket reached the cap: close it
                 self.buckets.append([])
                 filled = 0
             self.buckets[-1].append(p)
-            filled += size
+            filled += p.numel() * p.element_size()
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.ready = [0] * len(self.buckets)  # gradients ready so far this step, per bucket
         self.pending = {}  # bucket index -> (flat buffer, async work)
@@ -208,7 +214,7 @@ class DDPBucketed(nn.Module):
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i]):  # the bucket is full: send it now
             flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
-            self.launch_times.append(time.perf_counter())
+            self.launch_times.append(timing.stamp(flat.device))
             self.pending[i] = (flat, dist.all_reduce(flat, async_op=True))
 
     def forward(self, *args, **kwargs):
@@ -232,14 +238,25 @@ class DDPBucketed(nn.Module):
 
 
 def wrap_ddp(module: nn.Module, cap_mb: float, device, log: list) -> DDP:
-    """(e) torch DDP with the given bucket size, and a comm hook that only records launch times
-    (and does what DDP's default hook does: average, then all-reduce the bucket asynchronously)."""
+    """(e) torch DDP with the given bucket size, and a Python comm hook that records each launch
+    (and does what DDP's default C++ hook does: average, then all-reduce the bucket asynchronously).
+
+    By default DDP also broadcasts every buffer from rank 0 before every forward (for buffers
+    that forward changes, like BatchNorm's running statistics): one more collective per step,
+    which the hand-written wrappers do not make and the collectives column (the hook's calls)
+    would not count. TiedLM's buffer is a constant, so the timed DDP broadcasts it once, as the
+    wrappers do, and turns the per-forward broadcast off."""
+    broadcast_from_rank0(module)
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        no_buffer_sync = {"forward_sync_buffers": False}  # torch 2.14: broadcast_buffers deprecated
+    else:
+        no_buffer_sync = {"broadcast_buffers": False}  # older torch (it also skips the one at init)
     ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=cap_mb)
+              bucket_cap_mb=cap_mb, **no_buffer_sync)
     world = dist.get_world_size()
 
     def timed_allreduce(state, bucket):
-        log.append(time.perf_counter())
+        log.append(timing.stamp(bucket.buffer().device))
         buffer = bucket.buffer().div_(world)
         return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
 
@@ -256,13 +273,20 @@ class Variant:
     `compute-only` never communicates: the replicas drift apart, it only times the compute."""
 
     def __init__(self, name: str, cap_mb, args, d):
-        self.name, self.cap_mb, self.world = name, cap_mb, d.world_size
+        self.name, self.cap_mb, self.world, self.device = name, cap_mb, d.world_size, d.device
         self.tag = name if cap_mb is None else f"{name}_{cap_mb:g}mb"
         # Each rank initialises differently on purpose: only the wrappers' broadcast from rank 0
         # makes the replicas equal (and equal to a one-process run with the same seed).
         torch.manual_seed(args.seed + d.rank)
         self.plain = TiedLM(args.vocab, args.dim, args.depth, args.seq).to(d.device)
-        self.launches = []  # perf_counter() at each collective launch of the current step
+        self.launches = []  # timing.stamp() at each collective launch of the current step
+        # The reference point of the launch offsets: the moment the step's last gradient was
+        # accumulated, the same for every variant (DDP's backward() returns only after it has
+        # waited for its all-reduces, so the end of backward() would not be). Registered before
+        # any wrapper's hook, so on each tensor it runs before that tensor's launch.
+        self.last_grad = None
+        for p in trainable_params(self.plain):
+            p.register_post_accumulate_grad_hook(self._grad_accumulated)
         if name in ("naive", "flat"):
             broadcast_from_rank0(self.plain)
             self.model = self.plain
@@ -279,14 +303,17 @@ class Variant:
         self.params = trainable_params(self.plain)
         self.opt = torch.optim.SGD(self.params, lr=args.lr)
 
+    def _grad_accumulated(self, p) -> None:
+        self.last_grad = timing.stamp(self.device)  # the last call of a backward wins
+
     def step(self, tokens, targets):
         """Forward, backward, average the gradients this variant's way, SGD step. Returns this
-        rank's loss and the time backward() returned."""
+        rank's loss and a stamp of the step's start."""
         self.launches.clear()
+        start = timing.stamp(self.device)
         logits = self.model(tokens)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss.backward()
-        t_backward = time.perf_counter()
         if self.name == "naive":
             sync_naive(self.params, self.world, self.launches)
         elif self.name == "flat":
@@ -296,7 +323,7 @@ class Variant:
         # ddp: its all-reduces were launched and waited for inside backward
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss.detach(), t_backward
+        return loss.detach(), start
 
 
 # --------------------------------------------------------------------------------------------------
@@ -322,12 +349,14 @@ def measure(args, d, variants) -> dict:
         x, y = tokens[rows].to(d.device), targets[rows].to(d.device)
         for v in variants:
             rec = records[v.tag]
-            t0 = time.perf_counter()
-            loss, t_backward = v.step(x, y)
-            rec["times"].append(time.perf_counter() - t0)
+            t0 = timing.clock(d.device)  # on CUDA: after the GPU finished the previous step
+            loss, start = v.step(x, y)
+            rec["times"].append(timing.clock(d.device) - t0)  # on CUDA: once this step finished
             rec["collectives"].append(len(v.launches))
-            # Launch times relative to the end of backward: negative = started during backward.
-            rec["offsets"].append([t - t_backward for t in v.launches])
+            # Each launch relative to the step's last gradient, both measured from the step's
+            # start: negative = launched while backward was still computing gradients.
+            last_grad = timing.seconds(start, v.last_grad)
+            rec["offsets"].append([timing.seconds(start, t) - last_grad for t in v.launches])
             rec["losses"].append(loss)
     return records
 
@@ -350,7 +379,10 @@ def rows_of(args, d, variants, records) -> tuple[list, float]:
             "exposed_comm_s": median_time(v.tag) - compute,
             "collectives": statistics.median(rec["collectives"][args.warmup:]),
             "compute_step_time_s": compute,
-            "launch_offsets_s": rec["offsets"][-1],  # last step, rank 0's clock
+            "launch_offsets_s": rec["offsets"][-1],  # last step, this rank's (rank 0's in JSON)
+            # the first launch of each step after --warmup, median (None without collectives)
+            "first_launch_s": statistics.median(o[0] for o in rec["offsets"][args.warmup:])
+            if rec["offsets"][-1] else None,
             "losses": (losses / d.world_size).tolist(),
             "samples_per_s": d.world_size * args.batch_size / median_time(v.tag),
         })
@@ -361,24 +393,30 @@ def print_table(rows, compute, world) -> None:
     report.print0(f"compute only (no communication): {compute * 1e3:.1f} ms/step (median); "
                   "~: depends on the machine's speed")
     report.print0(f"{'variant':<9} {'bucket MB':>9} {'step ms':>8} {'exposed comm ms':>16} "
-                  f"{'collectives':>11} {'first launch vs backward end ms':>32}")
+                  f"{'collectives':>11} {'first launch vs last gradient ms':>33}")
 
     def timed(x: float) -> str:  # a time in ms: varies from run to run, marked `~`
         return f"~{x:.1f}"
 
     for row in rows:
         cap = "-" if row["bucket_cap_mb"] is None else f"{row['bucket_cap_mb']:g}"
-        first = min(row["launch_offsets_s"]) * 1e3 if row["launch_offsets_s"] else float("nan")
+        first = float("nan") if row["first_launch_s"] is None else row["first_launch_s"] * 1e3
         report.print0(f"{row['variant']:<9} {cap:>9} {timed(row['step_time_s'] * 1e3):>8} "
                       f"{timed(row['exposed_comm_s'] * 1e3):>16} {row['collectives']:11g} "
-                      f"{timed(first):>32}")
+                      f"{timed(first):>33}")
+    # Ratios of this run's medians, every row of a variant (no best-of: the minimum of noisy
+    # medians is the luckiest row, not a property of the method).
     naive = [r for r in rows if r["variant"] == "naive"]
-    best = min((r for r in rows if r["variant"] == "bucketed"), key=lambda r: r["step_time_s"],
-               default=None)
-    if naive and best:
-        report.print0(f"bucketed at its fastest bucket size (~{best['bucket_cap_mb']:g} MB in "
-                      f"this run) vs naive: ~{naive[0]['step_time_s'] / best['step_time_s']:.2f}x "
-                      f"faster per step at world {world}")
+    if naive and len(rows) > 1:
+        ratios = []
+        for variant in VARIANTS[1:]:
+            group = [naive[0]["step_time_s"] / r["step_time_s"] for r in rows
+                     if r["variant"] == variant]
+            if group:
+                ratios.append(f"{variant} ~{min(group):.1f}x" if len(group) == 1 else
+                              f"{variant} ~{min(group):.1f}x to ~{max(group):.1f}x")
+        report.print0(f"naive's step time over the others' at world {world}, this run: "
+                      + ", ".join(ratios))
 
 
 def run(args, d):
