@@ -50,8 +50,9 @@ from dtcourse import cli, launch
 
 SCRIPT = "05-advanced/c-data-parallel-techniques/hang_debugging.py"
 # CPU and gloo only (no --device): the stuck ranks are shown with gloo's per-collective timeout
-# and receive-from-any-source; on NCCL the watchdog tears the process down instead.
-GLOO_ONLY = "the hangs are shown with gloo's timeouts and receive-from-any-source"
+# and DETAIL's monitored barrier (a gloo feature); on NCCL the watchdog tears the process down
+# instead. The device check and the GPU tier read this name: the script refuses CUDA by design.
+GLOO_ONLY = "the hangs are shown with gloo's timeouts and its monitored barrier"
 
 
 # --------------------------------------------------------------------------------------------------
