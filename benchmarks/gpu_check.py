@@ -26,7 +26,7 @@ Fetching the wheels (on a machine with a registry, for the GPU machine's Python 
     # versions the course runs (DeepSpeed compiles its CUDA ops just in time, on the GPU machine);
     # --no-build-isolation builds against the torch installed here instead of fetching one
     pip wheel --no-deps --no-build-isolation -w benchmarks/wheels \
-        deepspeed==$(python -c 'import deepspeed; print(deepspeed.__version__)') fairscale==0.4.13
+        deepspeed==0.19.8 fairscale==0.4.13
     # their dependencies, as wheels for CPython 3.12 on x86-64 Linux (torch is the machine's own)
     pip download --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux2014_x86_64 -d benchmarks/wheels \
@@ -109,7 +109,10 @@ def install(wheels: Path, budget_s: float) -> dict:
 
 
 def gpu_tier(figures_file: Path, budget_s: float) -> dict:
-    env = {**os.environ, "DTCOURSE_GPU_FIGURES": str(figures_file)}
+    # the course's own package from this checkout: a machine without a registry cannot
+    # `pip install -e .`, and every launched rank inherits the variable
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "DTCOURSE_GPU_FIGURES": str(figures_file.resolve()), "PYTHONPATH": path}
     part = run_part([sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-n", "0", "-q", "-s",
                      "-p", "no:cacheprovider"], budget_s, env)
     summary = [line.strip(" =") for line in part["output_tail"].splitlines()
@@ -151,6 +154,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         result["skipped"] = (f"no CUDA GPU on this machine (torch {torch.__version__}, "
                              "torch.cuda.is_available() is False): nothing installed or measured")
+        if Path("/dev/nvidia0").exists():  # a GPU this torch cannot use: say so, and fail
+            result["skipped"] += (" - but /dev/nvidia0 exists: a CPU-only torch, a driver older "
+                                  "than this torch's CUDA, or CUDA_VISIBLE_DEVICES empty?")
     else:
         result["gpu"] = torch.cuda.get_device_name()
         if not args.no_install:
@@ -169,7 +175,8 @@ def main(argv=None) -> int:
     print(f"written: {args.out / 'gpu_check.json'}, {args.out / 'gpu_check.md'}")
     failed = [n for n, p in result["parts"].items() if not p["status"].startswith(("passed",
                                                                                     "skipped"))]
-    return 1 if failed else 0
+    unusable_gpu = bool(result["skipped"]) and "/dev/nvidia0 exists" in result["skipped"]
+    return 1 if failed or unusable_gpu else 0
 
 
 if __name__ == "__main__":

@@ -131,7 +131,23 @@ def _gpus_needed(command: str) -> int:
     worlds = re.search(r"--worlds[= ]([\d,]+)", command)
     inner = max(map(int, worlds.group(1).split(","))) if worlds else flag(
         r"--world[= ](\d+)", 2 if re.search(r"distributed_benchmarks\.py memory", command) else 1)
-    return nodes * per_node * inner
+    # launchers that take the total: horovodrun / mpirun -np N, srun --ntasks N; TF_CONFIG's
+    # workers (one process per worker, each on its own host)
+    total = max(flag(r"(?:^|\s)-np\s+(\d+)"), flag(r"--ntasks[= ](\d+)"))
+    tf_config = re.search(r'"worker":\s*\[([^\]]*)\]', command)
+    workers = len(re.findall(r'"[^"]+"', tf_config.group(1))) if tf_config else 1
+    return max(nodes * per_node * inner, total, workers)
+
+
+def test_multi_node_commands_are_not_counted_as_one_gpu():
+    """What the tier skips on one GPU: launchers that give the total (-np, --ntasks) and
+    TF_CONFIG's workers count as well as torchrun's nodes x processes per node."""
+    assert _gpus_needed("torchrun --nproc_per_node=1 x.py --device cuda") == 1
+    assert _gpus_needed("torchrun --nnodes=2 --nproc_per_node=8 x.py") == 16
+    assert _gpus_needed("horovodrun -np 16 -H node1:8,node2:8 python x.py --device cuda") == 16
+    assert _gpus_needed("srun --ntasks=16 --ntasks-per-node=8 --mpi=pmix python x.py") == 16
+    assert _gpus_needed("""TF_CONFIG='{"cluster": {"worker": ["node0:1", "node1:1"]}, '"""
+                        """'"task": {"type": "worker", "index": 0}}' python x.py""") == 2
 
 
 # Every README command (```bash and ```sh blocks) that asks for CUDA.
