@@ -192,6 +192,30 @@ def test_bucketed_uses_ddps_bucket_rule(overlap):
         assert by[("bucketed", cap)] == by[("ddp", cap)], (cap, by)
 
 
+def test_timed_ddp_makes_only_gradient_collectives():
+    # By default DDP broadcasts every buffer before every forward: a collective the hand-written
+    # wrappers do not make and the collectives column (the comm hook's calls) does not count.
+    # The timed DDP broadcasts TiedLM's constant buffer once and no more, so its rows time what
+    # the others time. One process, a one-rank gloo group: the broadcast still goes through the
+    # dispatcher, where CollectiveCounter sees it.
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dtcourse.comm import CollectiveCounter
+    co = load_script(OVERLAP)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def forward_collectives(model):
+            with CollectiveCounter() as counter:
+                model(torch.zeros(2, 4, dtype=torch.long))
+            return counter.summary()
+        assert forward_collectives(DDP(co.TiedLM(16, 8, 1, 4), bucket_cap_mb=1)) != {}
+        timed = co.wrap_ddp(co.TiedLM(16, 8, 1, 4), 1.0, torch.device("cpu"), [])
+        assert forward_collectives(timed) == {}
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA GPU on this machine: the GPU tier runs where one is")
