@@ -24,6 +24,34 @@ def test_no_script_of_the_course_would_break_on_nccl():
     assert check_files(files, REPO) == []
 
 
+def undefined_names(source: str, name: str = "<source>") -> list[str]:
+    """pyflakes' undefined-name messages for one file's source."""
+    import io
+
+    from pyflakes.api import check
+    from pyflakes.reporter import Reporter
+    out = io.StringIO()
+    check(source, name, Reporter(out, out))
+    return [line for line in out.getvalue().splitlines() if "undefined name" in line]
+
+
+def test_no_script_uses_a_name_it_never_defined():
+    """A line that runs only on CUDA is never run by the suite: a name misspelt or out of scope
+    there is found by reading the source. pipeline_parallel.py's Recorder once read the device of
+    a `d` that only its caller had (its lines as they were are the check's own case)."""
+    found = undefined_names("""
+from dtcourse import timing
+class Recorder:
+    def reset(self):
+        self.t0 = timing.clock(d.device)
+def train(args, d):
+    recorder = Recorder()
+""")
+    assert [m.split("undefined name ")[1] for m in found] == ["'d'"], found
+    files = sorted(p for folder in FOLDERS + ["tests"] for p in (REPO / folder).rglob("*.py"))
+    assert [m for p in files for m in undefined_names(p.read_text(), str(p))] == []
+
+
 ONCE_SHIPPED = {
     "ddp_benchmark": ("""
 def measure(times):

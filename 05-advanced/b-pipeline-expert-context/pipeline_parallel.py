@@ -534,8 +534,9 @@ class Recorder:
         self.reset()
 
     def reset(self):
-        # host clock: every reading follows device_done(), which drains this stream only
-        self.t0 = timing.clock(d.device)
+        # The step's zero, read right after the start-of-step barrier; every later reading
+        # follows device_done(), which drains this stream only (see there)
+        self.t0 = time.perf_counter()  # host clock: see the comment above
         self.events, self.forwards = [], {}
         self.held = self.peak_held = 0
         self.meter.peak = self.meter.live
