@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -220,12 +221,23 @@ class Dist:
 
 
 def choose_device(device_arg: str, launch: Launch) -> torch.device:
-    """--device auto|cpu|cuda: CUDA when asked for or available, the GPU of this local rank."""
+    """--device auto|cpu|cuda: CUDA when asked for or available, the GPU of this local rank.
+
+    auto takes the GPUs only when every process of this node gets one: a lesson's
+    `torchrun --nproc_per_node=2` on a one-GPU machine runs on the CPU with gloo (and says so)
+    instead of failing; --device cuda asks for the GPUs and fails there."""
     if device_arg == "cuda" and not torch.cuda.is_available():
         fail("--device cuda was asked for, but CUDA is not available on this machine")
     if device_arg == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
+    local = launch.local_world_size or launch.local_rank + 1
+    if device_arg == "auto" and local > count and not (launch.launcher == "srun" and count == 1):
+        if launch.local_rank == 0:
+            print(f"--device auto: {local} processes on this node but {count} GPU(s): running on "
+                  f"the CPU with gloo (start at most {count} processes per node, or pass "
+                  f"--device cpu to say so)", file=sys.stderr, flush=True)
+        return torch.device("cpu")
     if launch.local_rank < count:
         index = launch.local_rank
     elif launch.launcher == "srun" and count == 1:

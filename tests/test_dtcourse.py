@@ -336,6 +336,28 @@ def test_setup_exports_the_chosen_gpu_as_local_rank(monkeypatch, visible, index)
          "MASTER_ADDR": "vm", "MASTER_PORT": "20010"}
 
 
+def test_auto_takes_the_gpus_only_when_every_local_process_gets_one(monkeypatch, capsys):
+    """A lesson's `torchrun --nproc_per_node=2` on a one-GPU machine: --device auto runs on the
+    CPU and says why on local rank 0; --device cuda still fails; with a GPU per process, or an
+    srun task bound to its one GPU, auto takes cuda:<its index>. CUDA's device count is mocked."""
+    from dtcourse import launch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def at(rank, launcher="torchrun", local=2):
+        return launch.Launch(launcher, rank, 2, rank, local, "127.0.0.1", 29500)
+    assert launch.choose_device("auto", at(0)) == torch.device("cpu")
+    assert "2 processes on this node but 1 GPU(s)" in capsys.readouterr().err
+    assert launch.choose_device("auto", at(1)) == torch.device("cpu")
+    assert capsys.readouterr().err == ""  # said once, by local rank 0
+    with pytest.raises(SystemExit):
+        launch.choose_device("cuda", at(1))
+    assert launch.choose_device("auto", at(0, local=1)) == torch.device("cuda", 0)
+    assert launch.choose_device("auto", at(1, "srun")) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert launch.choose_device("auto", at(1)) == torch.device("cuda", 1)
+
+
 def test_reset_peak_frees_the_previous_fsdp2_model_before_the_next_measurement():
     """A script that trains several strategies one after the other resets CUDA's peak counter
     before each; if the previous model, its gradients and its AdamW state are still alive then,
