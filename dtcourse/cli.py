@@ -51,7 +51,8 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 def add_run_args(p: argparse.ArgumentParser, *, seed: bool = True,
                  timeout_s: float = 120.0) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: CUDA when available (NCCL), else CPU (gloo)")
+                   help="auto: CUDA (NCCL) when every process of the node gets a GPU, else "
+                   "CPU (gloo)")
     p.add_argument("--timeout-s", type=float, default=timeout_s,
                    help="seconds a collective may wait before the run fails")
     if seed:
