@@ -6,11 +6,19 @@ then measures how long the host took to queue the work, not how long the device 
 On a CPU with gloo the two are the same, so a CPU run never shows the difference.
 
     clock(device)    seconds on the host's monotonic clock, taken once the device has finished
-                     everything queued so far (torch.cuda.synchronize on CUDA): use it in pairs
-                     around the work to time, t0 = clock(device) ... clock(device) - t0
+                     everything queued so far (torch.cuda.synchronize on CUDA: every stream,
+                     NCCL's and DeepSpeed's side streams too): use it in pairs around the work to
+                     time, t0 = clock(device) ... clock(device) - t0. Call it where every rank
+                     has matched every collective and send queued so far (a step's boundary):
+                     a send already queued for a peer that has not yet posted its receive never
+                     finishes, and the synchronize with it (inside a pipeline step, drain the
+                     current stream instead, as pipeline_parallel.py's device_done does)
     stamp(device)    a point inside the work (a collective's launch from a backward hook),
                      without stopping the device: a CUDA event recorded on the current stream on
-                     CUDA, the host clock on a CPU
+                     CUDA, the host clock on a CPU. On CUDA it marks when the compute stream
+                     reached that point (the gradient is ready and the collective is handed to
+                     NCCL), not when NCCL's own stream ran the collective: an asynchronous
+                     all-reduce queued behind another starts later than its stamp
     seconds(a, b)    the time from stamp a to stamp b (on CUDA it waits for b to complete)
 
 The lesson scripts time through these only; tests/device_check.py flags a raw time.perf_counter()
@@ -41,7 +49,7 @@ def stamp(device):
     when the stream reaches it), a float from the host clock elsewhere. Read with seconds()."""
     if _on_cuda(device):
         event = torch.cuda.Event(enable_timing=True)
-        event.record()  # on the current stream of the current device
+        event.record(torch.cuda.current_stream(device))  # the compute stream of that device
         return event
     return time.perf_counter()  # host clock: on a CPU the work is done when the call returns
 
