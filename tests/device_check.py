@@ -47,6 +47,7 @@ cpu_collectives), which routes CPU tensors to gloo instead of failing.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 COLLECTIVES = {"all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
@@ -62,8 +63,16 @@ CUDA_SAFE = {"is_available", "device_count", "is_bf16_supported", "is_initialize
 NCCL_REFUSES = {"BAND", "BOR", "BXOR"}
 
 
+# collectives imported by name (from torch.distributed import all_reduce): set per module
+_IMPORTED_COLLECTIVES: set[str] = set()
+
+
 def _is_dist_call(node: ast.AST, names: set[str]) -> str | None:
-    """'all_reduce' for dist.all_reduce(...) / torch.distributed.all_reduce(...)."""
+    """'all_reduce' for dist.all_reduce(...) / torch.distributed.all_reduce(...) / all_reduce(...)
+    imported from torch.distributed."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+            and node.func.id in names and node.func.id in _IMPORTED_COLLECTIVES:
+        return node.func.id
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
             and node.func.attr in names:
         base = ast.unparse(node.func.value)
@@ -77,21 +86,38 @@ def _makes_cpu_tensor(value: ast.AST) -> bool:
     if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Attribute):
         return False
     func = value.func
+
+    def names_cpu(arg: ast.AST) -> bool:  # "cpu", torch.device("cpu")
+        return "'cpu'" in ast.unparse(arg) or '"cpu"' in ast.unparse(arg)
     if func.attr == "cpu" and not value.args:
         return True
+    if func.attr == "to" and (any(names_cpu(a) for a in value.args[:1]) or any(
+            k.arg == "device" and names_cpu(k.value) for k in value.keywords)):
+        return True
     if func.attr in FACTORIES and ast.unparse(func.value) == "torch":
-        return not any(k.arg == "device" for k in value.keywords)
+        device = next((k.value for k in value.keywords if k.arg == "device"), None)
+        return device is None or names_cpu(device)
     return False
 
 
 def _cuda_sense(test: ast.AST) -> bool | None:
-    """True if the test holds on CUDA (== "cuda", is_available()), False if it holds off CUDA
-    (!= "cuda", not ...), None if it does not mention CUDA."""
+    """True if the test holds only on CUDA (== "cuda", != "cpu", is_available()), False if it
+    holds whenever CUDA is off (!= "cuda", == "cpu", not ..., device_count() == 0), None if it
+    does not decide (no mention of CUDA; `on CUDA or X` may hold off CUDA, and `off CUDA and X`
+    may fail off CUDA)."""
     text = ast.unparse(test)
-    if "cuda" not in text:
+    if re.search(r"""==\s*['"]cpu['"]""", text) or re.search(
+            r"device_count\(\)\s*(==\s*0|<\s*1)", text):
+        sense = False
+    elif re.search(r"""!=\s*['"]cpu['"]""", text):
+        sense = True
+    elif "cuda" not in text:
         return None
-    negative = "!=" in text or text.startswith("not ") or " not in " in text
-    return not negative
+    else:
+        sense = not ("!=" in text or text.startswith("not ") or " not in " in text)
+    if (sense and " or " in text) or (not sense and " and " in text):
+        return None
+    return sense
 
 
 class _Checker(ast.NodeVisitor):
@@ -125,7 +151,9 @@ class _Checker(ast.NodeVisitor):
             op = _is_dist_call(inner, COLLECTIVES)
             if op is None:
                 continue
-            rest = inner.args[1:] + [k.value for k in inner.keywords]
+            # the group: a positional argument after the tensors (all_reduce(t, op, group),
+            # all_gather(out, t, group), ...) or group=; not the tensors themselves
+            rest = inner.args[2:] + [k.value for k in inner.keywords if k.arg == "group"]
             if any(w in ast.unparse(a).lower() for a in rest for w in ("gloo", "cpu")):
                 continue  # a group meant to be gloo
             for arg in inner.args[:2]:
@@ -135,9 +163,9 @@ class _Checker(ast.NodeVisitor):
                                                    and cpu_made(part.id, inner.lineno)):
                         self.report(inner, "cpu-tensor", f"dist.{op}({ast.unparse(part)}) gets a "
                                     f"tensor made on the CPU (NCCL takes CUDA tensors only)")
-            if op == "recv" and len(inner.args) < 2 and not any(
+            if op in ("recv", "irecv") and len(inner.args) < 2 and not any(
                     k.arg == "src" for k in inner.keywords):
-                self.report(inner, "nccl-op", "recv() without src: receive from any source is "
+                self.report(inner, "nccl-op", f"{op}() without src: receive from any source is "
                             "gloo's, NCCL has none")
         self.generic_visit(node)
 
@@ -240,7 +268,10 @@ HOST_CLOCK_NOTE = "# host clock:"
 def _raw_clock(tree: ast.AST, source: str, path: str) -> list[str]:
     """raw-clock: a host wall clock read without `# host clock: <why>` on its statement."""
     imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                and n.module == "time" for a in n.names if a.name in HOST_CLOCKS}
+                for a in n.names if n.module == "time" and a.name in HOST_CLOCKS
+                or n.module == "timeit" and a.name == "default_timer"}
+    modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+               for a in n.names if a.name == "time"}
     lines = source.splitlines()
     # the simple statements' line spans: a comment anywhere on the statement exempts its clocks
     spans = sorted(((n.lineno, n.end_lineno) for n in ast.walk(tree)
@@ -252,8 +283,9 @@ def _raw_clock(tree: ast.AST, source: str, path: str) -> list[str]:
             continue
         func = call.func
         named = (isinstance(func, ast.Attribute) and func.attr in HOST_CLOCKS
-                 and ast.unparse(func.value) == "time") or (
-                     isinstance(func, ast.Name) and func.id in imported)
+                 and ast.unparse(func.value) in modules | {"time"}) or (
+                     isinstance(func, ast.Attribute) and ast.unparse(func) == "timeit.default_timer"
+                 ) or (isinstance(func, ast.Name) and func.id in imported)
         if not named:
             continue
         first, last = next(((a, b) for a, b in spans if a <= call.lineno <= b),
@@ -269,6 +301,10 @@ def _raw_clock(tree: ast.AST, source: str, path: str) -> list[str]:
 def check_source(source: str, path: str = "<source>") -> list[str]:
     """Findings for one file's source, each 'path:line: kind: what'."""
     tree = ast.parse(source)
+    _IMPORTED_COLLECTIVES.clear()
+    _IMPORTED_COLLECTIVES.update(a.asname or a.name for n in ast.walk(tree)
+                                 if isinstance(n, ast.ImportFrom) and n.module == "torch.distributed"
+                                 for a in n.names if a.name in COLLECTIVES)
     if any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "GLOO_ONLY"
                                              for t in n.targets) for n in tree.body):
         return []  # refuses --device cuda by design (receive-from-any-source and the like)

@@ -100,6 +100,48 @@ def test_the_check_finds_each_nccl_bug_the_course_once_had(name):
     assert [f.split(": ")[1] for f in found] == kinds, found
 
 
+# What an earlier version of the check let through (a tensor argument that names the CPU was
+# taken for a gloo group; CPU placements other than .cpu(); a collective imported by name;
+# irecv; tests that do not decide the branch), each a line that fails on NCCL or without a GPU.
+ONCE_MISSED = {
+    "cpu tensors": ("""
+def gather(out, loss):
+    dist.all_gather_into_tensor(out, loss.cpu())
+    flags = torch.zeros(3, device="cpu")
+    dist.all_reduce(flags)
+    dist.broadcast(loss.to("cpu"), 0)
+""", ["cpu-tensor"] * 3),
+    "imported by name": ("""
+from torch.distributed import all_reduce, irecv
+def step(buf):
+    all_reduce(torch.ones(2))
+    irecv(buf)
+""", ["cpu-tensor", "nccl-op"]),
+    "branches that do not decide": ("""
+def sync(device, force):
+    if device.type == "cuda" or force:
+        torch.cuda.synchronize(device)
+    if torch.cuda.device_count() == 0:
+        torch.cuda.synchronize(device)
+""", ["bare-cuda", "bare-cuda"]),
+    "host clocks by other names": ("""
+import time as tm
+import timeit
+def step(model, x):
+    t0 = tm.perf_counter()
+    model(x)
+    return timeit.default_timer() - t0
+""", ["raw-clock", "raw-clock"]),
+}
+
+
+@pytest.mark.parametrize("name", ONCE_MISSED)
+def test_the_check_finds_what_it_once_missed(name):
+    source, kinds = ONCE_MISSED[name]
+    found = check_source(source)
+    assert sorted(f.split(": ")[1] for f in found) == sorted(kinds), found
+
+
 def test_what_is_right_on_both_backends_passes():
     assert check_source("""
 def measure(times, device):
@@ -131,6 +173,14 @@ def moved(device, world, gloo_pg):
     else:
         torch.cuda.synchronize(device)
     dist.recv(other.to(device), src=0)
+def on_cpu_or_gpu(device, tokens):
+    if device.type == "cpu":
+        pass
+    else:
+        torch.cuda.synchronize(device)
+    if device.type != "cuda" or tokens is None:
+        return None
+    return torch.cuda.get_device_name(device)
 """) == []
 
 
