@@ -36,3 +36,18 @@ def test_gpu_check_help_says_how_to_fetch_the_wheels():
     assert "--wheels" in run.stdout and "--out" in run.stdout
     source = (REPO / "benchmarks" / "gpu_check.py").read_text()
     assert "--python-version 3.12" in source and "pip wheel --no-deps" in source
+
+
+def test_the_figures_part_names_gpu_tests_that_exist():
+    """The check runs its figures' tests first, by pytest id: a renamed test would leave the part
+    empty (pytest: 'not found') and the figures unmeasured."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+                          "-n", "0", "-p", "no:cacheprovider", *gpu_check.FIGURE_TESTS],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"{len(gpu_check.FIGURE_TESTS)} tests collected" in run.stdout
