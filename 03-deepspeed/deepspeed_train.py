@@ -435,10 +435,11 @@ def loop(args, config: dict, d, engine, model, start_step: int) -> dict | None:
     timed_steps = args.steps - start_step - 1
     return {"losses": losses, "census": census, "comms": comms, "comms_by_phase": comms_by_phase,
             "samples_per_s": timed_samples / elapsed if timed_samples else float("nan"),
-            # CPU seconds this process spent per timed step: steadier than samples/s when the
-            # machine is shared.
+            # CPU seconds this process spent per timed step: steadier than samples/s when a CPU
+            # machine is shared. Not on CUDA: the host spins while it waits for the GPU (and
+            # NCCL's proxy thread polls), so the figure tracks wall time, not work
             "cpu_s_per_step": (time.process_time() - cpu_start) / timed_steps
-            if timed_steps > 0 else None}
+            if timed_steps > 0 and d.device.type == "cpu" else None}
 
 
 def report_run(args, config: dict, d, deepspeed, engine, model, run: dict) -> None:
