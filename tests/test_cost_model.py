@@ -580,6 +580,22 @@ def test_the_walkthrough_commands_reproduce_their_quoted_output(doc, command):
     run_documented(doc, command, timeout=120)  # BAD_TP: exit status 2 and its quoted line
 
 
+def test_the_pages_collective_by_hand_is_the_alpha_beta_formula():
+    """cost_model.md costs one collective by hand: 8B's FSDP all-gather of one layer's bf16 weights
+    over 64 GPUs in 8 nodes (63 ring steps, 7 across nodes; 8 members a node sharing 8 NICs, 368
+    GB/s, capped at NVLink's 360). Its printed figures are the formula's, rounded as printed."""
+    layer = LAYER_MATRICES + 2 * H
+    sent = 63 / 64 * 2 * layer
+    latency = BASE + 56 * A_NV + 7 * A_NET
+    busbw = min(BW_NV, 8 * BW_NIC)
+    text = " ".join(DOC.read_text().split())
+    assert f"{layer:,} parameters, {2 * layer / 1e6:.1f} MB" in text
+    assert f"{sent / 1e6:.1f} MB, in g - 1 = 63 steps" in text
+    assert (f"= {latency * 1e3:.3f} ms + {sent / busbw * 1e3:.3f} ms = "
+            f"{ring(56, 7, sent, busbw) * 1e3:.2f} ms") in text
+    assert f"under {latency * busbw / 1e6:.0f} MB" in text
+
+
 def test_70b_cannot_train_with_data_parallelism_alone_on_80_gb():
     """The walkthrough's 70B run: 18 bytes per parameter of weights, fp32 gradients and Adam is
     1.27 TB on every GPU under DDP, more than 80 GB by far; every layout without sharding or model
