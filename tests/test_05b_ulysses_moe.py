@@ -159,6 +159,14 @@ def test_formula_only_prints_forward_and_per_step_bytes_with_kv_repetition_past_
         assert ("repeats each key/value head 2x" in got[P][6]) == (P == 16)
     assert [got[P][5] for P in (2, 4, 8)] == [0.44, 0.74, 1.40]   # the README's per-step ratios
     assert [got[P][2] for P in (2, 4, 8, 16)] == [0.22, 0.44, 0.89, 1.60]
+    # a length the group does not divide is refused with one line, not a traceback
+    with pytest.raises(SystemExit) as stop:
+        ulysses.main(["--formula-only", "--heads", "96", "--kv-heads", "3", "--sizes", "3",
+                      "--seq-lens", "8192"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--seq-lens 8192 is not divisible by P = 3: the formulas count equal shares of T / P "
+        "positions per rank")
     # the function names the condition that fails
     cost_model = lessons.load(REPO / "05-advanced" / "cost_model.py")
     with pytest.raises(ValueError, match="Ulysses needs p = 12 to divide kv_heads = 8, or to be"):

@@ -307,7 +307,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4, help="H: each rank attends with H / P heads")
     p.add_argument("--kv-heads", type=int, default=None,
                    help="H_kv key/value heads (grouped-query attention; default: H); P must "
-                        "divide it too")
+                        "divide it too (with --formula-only P may also be a multiple of it)")
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed forward+backward runs per case")
     p.add_argument("--formula-only", action="store_true",
@@ -341,6 +341,10 @@ def parse_args(argv=None):
         if args.kv_heads % P and not repeats:
             cli.fail(f"--kv-heads {args.kv_heads} is not divisible by P = {P}: Ulysses gives "
                      f"every rank H_kv / P whole key/value heads (the ring has no such limit)")
+    uneven = [(T, P) for T in args.seq_lens for P in args.sizes if T % P]
+    if args.formula_only and uneven:
+        cli.fail(f"--seq-lens {uneven[0][0]} is not divisible by P = {uneven[0][1]}: the "
+                 f"formulas count equal shares of T / P positions per rank")
     if min(args.seq_lens) < max(args.sizes):
         cli.fail(f"--seq-lens {min(args.seq_lens)} is shorter than a group of {max(args.sizes)} "
                  f"ranks: every rank needs at least one position")
