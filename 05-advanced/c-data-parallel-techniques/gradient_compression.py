@@ -228,7 +228,7 @@ def print_table(args, world, rows) -> None:
         report.print0(f"{step + 1:5d}  " + " ".join(f"{r['losses'][step]:9.4f}" for r in rows))
     # ratio: payload against the dense gradient; on the wire: what a ring sends per rank at this
     # world size against a dense all-reduce (top-k's all-gather grows with W, the others do not)
-    report.print0(f"{'method':<9} {'bytes/step':>10} {'ratio':>7} {'on the wire':>11} "
+    report.print0(f"{'method':<9} {'bytes/step':>10} {'ratio':>7} {'wire ratio':>11} "
                   f"{'loss, last 5 steps':>18} {'vs none':>8}")
     for r in rows:
         # + 0.0 turns a rounded -0.0 into 0.0
