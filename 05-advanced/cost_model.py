@@ -675,7 +675,7 @@ def header(args, mdl: dict, cl: dict, run: dict) -> list:
         f"{mdl['vocab']}, {tied} embedding",
         f"flops    6N + 12*L*h*s = 6 x {pc['flops_n']:,} + 12 x {mdl['layers']} x {mdl['hidden']}"
         f" x {run['seq']} = {run['flops_per_token']:,} per token",
-        f"gpu      {gpu['name']}: {gpu['tflops']:g} dense bf16 TFLOP/s, kernels at "
+        f"gpu      {gpu['name']}: {gpu['tflops']:g} dense bf16 TFLOP/s, compute at "
         f"{run['efficiency']:.2f} | HBM "
         f"{gpu['hbm_gb']:g} GB ({args.usable_memory:.0%} usable), {gpu['hbm_tbps']:g} TB/s | "
         f"NVLink {gpu['nvlink']:g} GB/s each way",

@@ -34,7 +34,7 @@ REL = 1e-9
 # bf16 989 TFLOP/s, NVLink 450 GB/s one way, HBM 3.35 TB/s and 80 GB; NDR NICs of 50 GB/s, one per
 # GPU; collectives at 80% of NVLink and 92% of a NIC; NCCL 2.30's Ring/Simple latencies: 8.4 us
 # per collective, 3.4 us per NVLink step, 14.0 us per network step, and PAT's (8.0 us, 14.0/3.5 us
-# per doubling of the nodes, 2.8 us per rank, 0.75 of the bandwidth); the defaults: kernels at 0.55
+# per doubling of the nodes, 2.8 us per rank, 0.75 of the bandwidth); the defaults: compute at 0.55
 # of the peak (--compute-efficiency), 90% of HBM usable, gradients reduced in fp32 (4 bytes).
 PEAK, NVLINK, NIC, HBM_BW, HBM = 989e12, 450e9, 50e9, 3.35e12, 80e9
 BW_NV, BW_NIC = NVLINK * 0.8, NIC * 0.92

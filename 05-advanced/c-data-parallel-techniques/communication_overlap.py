@@ -154,7 +154,9 @@ class DDPIndividualParameters(nn.Module):
         broadcast_from_rank0(module)
         self.world = dist.get_world_size()
         self.pending = []  # (param, async work) of this step, in launch order
-        self.launch_times = []  # timing.stamp() at each launch: proves they start during backward
+        # timing.stamp() at each launch: when backward handed the collective over (on CUDA the
+        # compute stream's point; NCCL's own stream may start it later)
+        self.launch_times = []
         for p in trainable_params(module):
             p.register_post_accumulate_grad_hook(self._launch)
 
