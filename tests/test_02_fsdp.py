@@ -235,8 +235,8 @@ for run, script, flags in (("transformer", "fsdp_transformer", ["--strategy", "f
                            ("transformer_2", "fsdp_transformer", ["--steps", "2"])):
     module = lessons.load(f"{lesson}/{script}.py")
     log = events[run] = []
-    module.time = types.SimpleNamespace(
-        perf_counter=lambda log=log: log.append("clock") or time.perf_counter())
+    module.timing = types.SimpleNamespace(
+        clock=lambda device, log=log: log.append("clock") or time.perf_counter())
 
     class Recorded(CollectiveCounter):
         def __enter__(self, log=log):
@@ -249,10 +249,10 @@ print("EVENTS " + json.dumps(events))
 
 
 def test_the_clock_stops_before_the_counted_step(tmp_path):
-    """fsdp_transformer.py, fsdp1_api.py and fsdp_lora.py read the clock before step 2 and again
-    before the last step, which they count: per trained model "clock", "clock", "count" (before,
-    the counted step ran between the two readings: "clock", "count", "clock"). With --steps 2
-    nothing is timed and tokens/s is None, not a number from no steps."""
+    """fsdp_transformer.py, fsdp1_api.py and fsdp_lora.py read the clock (dtcourse.timing.clock)
+    before step 2 and again before the last step, which they count: per trained model "clock",
+    "clock", "count" (before, the counted step ran between the two readings: "clock", "count",
+    "clock"). With --steps 2 nothing is timed and tokens/s is None, not a number from no steps."""
     result = run_python("-c", CLOCK_PROBE, str(REPO / LESSON), str(tmp_path), timeout=240)
     line = next(x for x in result.stdout.splitlines() if x.startswith("EVENTS "))
     events = json.loads(line.removeprefix("EVENTS "))
