@@ -302,9 +302,10 @@ def check_source(source: str, path: str = "<source>") -> list[str]:
     """Findings for one file's source, each 'path:line: kind: what'."""
     tree = ast.parse(source)
     _IMPORTED_COLLECTIVES.clear()
-    _IMPORTED_COLLECTIVES.update(a.asname or a.name for n in ast.walk(tree)
-                                 if isinstance(n, ast.ImportFrom) and n.module == "torch.distributed"
-                                 for a in n.names if a.name in COLLECTIVES)
+    _IMPORTED_COLLECTIVES.update(
+        a.asname or a.name for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == "torch.distributed"
+        for a in n.names if a.name in COLLECTIVES)
     if any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "GLOO_ONLY"
                                              for t in n.targets) for n in tree.body):
         return []  # refuses --device cuda by design (receive-from-any-source and the like)
