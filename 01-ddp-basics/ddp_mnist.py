@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
@@ -232,6 +233,7 @@ class Launch(NamedTuple):
     rank: int                # 0 .. world_size-1 over the whole job
     world_size: int          # number of processes
     local_rank: int          # number on this machine: which GPU it takes
+    local_world_size: int    # processes on this machine
     master_addr: str | None  # where rank 0 hosts the rendezvous (None: a group of one)
     master_port: int | None
 
@@ -265,7 +267,8 @@ def who_am_i(env) -> Launch:
     """
     if "RANK" in env:  # torchrun (also `srun torchrun`, one torchrun per node: torchrun numbers)
         return Launch("torchrun", int(env["RANK"]), int(env["WORLD_SIZE"]),
-                      int(env.get("LOCAL_RANK", 0)), env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+                      int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1)),
+                      env["MASTER_ADDR"], int(env["MASTER_PORT"]))
     if "OMPI_COMM_WORLD_RANK" in env:  # mpirun (OpenMPI)
         world, here = int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_LOCAL_SIZE"])
         addr = env.get("MASTER_ADDR")
@@ -276,7 +279,7 @@ def who_am_i(env) -> Launch:
                          f"-x MASTER_PORT=<port>")
             addr = "127.0.0.1"  # one node: rank 0 is on this machine
         return Launch("mpirun", int(env["OMPI_COMM_WORLD_RANK"]), world,
-                      int(env["OMPI_COMM_WORLD_LOCAL_RANK"]), addr,
+                      int(env["OMPI_COMM_WORLD_LOCAL_RANK"]), here, addr,
                       int(env.get("MASTER_PORT", "29500")))
     # An srun task. (A batch script's own process has SLURM_PROCID too, but it is not a task of a
     # step, SLURM_STEP_NUM_TASKS is unset: it runs as one process.)
@@ -289,21 +292,36 @@ def who_am_i(env) -> Launch:
             step = env.get("SLURM_STEP_ID", "0")
             step = int(step) if step.isdigit() else 0  # the 'batch' step counts as 0
             port = 20000 + (int(env["SLURM_JOB_ID"]) * 10 + step) % 10000
+        # tasks per node, '4(x2),3' = 4, 4 and 3 on nodes 0, 1 and 2: this node's count
+        per_node = [int(n) for n, times in re.findall(r"(\d+)(?:\(x(\d+)\))?",
+                                                      env.get("SLURM_STEP_TASKS_PER_NODE", ""))
+                    for _ in range(int(times or 1))]
+        node = int(env.get("SLURM_NODEID", 0))
+        here = per_node[node] if node < len(per_node) else int(env["SLURM_LOCALID"]) + 1
         return Launch("srun", int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]),
-                      int(env["SLURM_LOCALID"]), addr, port)
-    return Launch("python", 0, 1, 0, None, None)
+                      int(env["SLURM_LOCALID"]), here, addr, port)
+    return Launch("python", 0, 1, 0, 1, None, None)
 
 
 def choose_device(device_arg: str, me: Launch) -> torch.device:
-    """--device auto|cpu|cuda: the GPU of this local rank when CUDA is asked for or available."""
+    """--device auto|cpu|cuda: the GPU of this local rank when CUDA is asked for or available.
+
+    auto takes the GPUs only when every process of this machine gets one: a two-process
+    torchrun on a one-GPU laptop runs on the CPU (and says so) instead of failing."""
     if device_arg == "cuda" and not torch.cuda.is_available():
         cli.fail("--device cuda was asked for, but CUDA is not available on this machine")
     if device_arg == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
+    srun_bound = me.launcher == "srun" and count == 1  # srun --gpus-per-task=1: sees its GPU only
+    if device_arg == "auto" and me.local_world_size > count and not srun_bound:
+        if me.local_rank == 0:
+            print(f"--device auto: {me.local_world_size} processes on this machine but {count} "
+                  f"GPU(s): running on the CPU with gloo", file=sys.stderr, flush=True)
+        return torch.device("cpu")
     if me.local_rank < count:
         return torch.device("cuda", me.local_rank)
-    if me.launcher == "srun" and count == 1:  # srun --gpus-per-task=1: each task sees its GPU only
+    if srun_bound:
         return torch.device("cuda", 0)
     cli.fail(f"local rank {me.local_rank} has no GPU: only {count} visible on this node "
              f"(start at most {count} processes per node)")

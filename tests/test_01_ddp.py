@@ -540,10 +540,36 @@ def test_mnist_setup_reads_the_launcher_like_the_shared_module(env):
     assert (mine.rank, mine.world_size, mine.local_rank, mine.master_addr, mine.master_port) == \
         (shared.rank, shared.world_size, shared.local_rank, shared.master_addr,
          shared.master_port)
+    # processes on this node, as the shared module's device choice counts them
+    assert mine.local_world_size == (shared.local_world_size or shared.local_rank + 1)
     if env is SRUN_NODES:  # the first host of gpu[07-09], a port from job 4242 and step 2
         assert (mine.master_addr, mine.master_port) == ("gpu07", 20000 + (42420 + 2) % 10000)
     if env is MPIRUN_ONE_NODE:
         assert (mine.launcher, mine.master_addr, mine.master_port) == ("mpirun", "127.0.0.1", 29500)
+
+
+def test_mnist_auto_device_takes_the_gpus_only_when_every_local_process_gets_one(monkeypatch,
+                                                                               capsys):
+    """Section 1's two-process torchrun on a learner's one-GPU machine: the written-out set-up
+    runs on the CPU (said once, by local rank 0), as the shared module does, instead of failing
+    on local rank 1; --device cuda still fails; one GPU per process, or an srun task bound to its
+    GPU, takes cuda:<index>. CUDA's device count is mocked."""
+    mnist = load_script(MNIST)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def at(rank, launcher="torchrun", local=2):
+        return mnist.Launch(launcher, rank, 2, rank, local, "127.0.0.1", 29500)
+    assert mnist.choose_device("auto", at(0)) == torch.device("cpu")
+    assert "2 processes on this machine but 1 GPU(s)" in capsys.readouterr().err
+    assert mnist.choose_device("auto", at(1)) == torch.device("cpu")
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):
+        mnist.choose_device("cuda", at(1))
+    assert mnist.choose_device("auto", at(0, local=1)) == torch.device("cuda", 0)
+    assert mnist.choose_device("auto", at(1, "srun")) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert mnist.choose_device("auto", at(1)) == torch.device("cuda", 1)
 
 
 def test_mnist_setup_refuses_mpirun_on_several_nodes_without_a_master(capsys):
