@@ -48,11 +48,19 @@ RING_DOC = ("torchrun --nproc_per_node=4 04-nccl-operations/ring_allreduce.py --
 RING_DRAW_DOC = ("python 04-nccl-operations/figures/ring_figure.py "
                  "04-nccl-operations/figures/ring_trace.json "
                  "04-nccl-operations/figures/ring_allreduce_steps.png")
+# A reader's run of the DDP step depends on timing: the lesson's commands draw it under runs/, and
+# CONTRIBUTING's redraw the committed picture that the lesson's text describes.
 DDP_DOC = ("torchrun --nproc_per_node=2 01-ddp-basics/figures/ddp_overlap.py --json-out "
-           "01-ddp-basics/figures/ddp_overlap.json --trace-out "
-           "01-ddp-basics/figures/ddp_overlap_trace.json")
+           "runs/01-ddp-basics/ddp_overlap.json --trace-out "
+           "runs/01-ddp-basics/ddp_overlap_trace.json")
 DDP_DRAW_DOC = ("python 01-ddp-basics/figures/ddp_overlap_figure.py "
-                "01-ddp-basics/figures/ddp_overlap.json 01-ddp-basics/figures/ddp_overlap.png")
+                "runs/01-ddp-basics/ddp_overlap.json runs/01-ddp-basics/ddp_overlap.png")
+DDP_COMMITTED_DOC = ("torchrun --nproc_per_node=2 01-ddp-basics/figures/ddp_overlap.py --json-out "
+                     "01-ddp-basics/figures/ddp_overlap.json --trace-out "
+                     "01-ddp-basics/figures/ddp_overlap_trace.json")
+DDP_COMMITTED_DRAW_DOC = ("python 01-ddp-basics/figures/ddp_overlap_figure.py "
+                          "01-ddp-basics/figures/ddp_overlap.json "
+                          "01-ddp-basics/figures/ddp_overlap.png")
 FSDP_DOC = ("torchrun --nproc_per_node=2 02-fsdp/figures/fsdp_timeline.py --json-out "
             "02-fsdp/figures/fsdp_timeline.json --trace-out runs/fsdp_timeline_trace.json")
 FSDP_DRAW_DOC = ("python 02-fsdp/figures/fsdp_timeline_figure.py "
@@ -60,9 +68,10 @@ FSDP_DRAW_DOC = ("python 02-fsdp/figures/fsdp_timeline_figure.py "
 
 DOCS = {"04-nccl-operations/README.md": [RING_DOC, RING_DRAW_DOC],
         "01-ddp-basics/README.md": [DDP_DOC, DDP_DRAW_DOC],
+        "CONTRIBUTING.md": [DDP_COMMITTED_DOC, DDP_COMMITTED_DRAW_DOC],
         "02-fsdp/README.md": [FSDP_DOC, FSDP_DRAW_DOC]}
 # The README drawing commands, each naming (script, committed JSON, committed PNG)
-DRAWINGS = {"ring": RING_DRAW_DOC, "ddp": DDP_DRAW_DOC, "fsdp": FSDP_DRAW_DOC}
+DRAWINGS = {"ring": RING_DRAW_DOC, "ddp": DDP_COMMITTED_DRAW_DOC, "fsdp": FSDP_DRAW_DOC}
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -292,7 +301,7 @@ def readme_says(readme: Path, fragment: str) -> bool:
 def test_ddp_committed_step_shows_what_the_readme_says():
     """The committed run is the README's: the same checks, the overlap it describes, and the
     numbers its text quotes, recomputed here from the committed JSON."""
-    t = read_json(REPO / DDP_DRAW_DOC.split()[2])
+    t = read_json(REPO / DDP_COMMITTED_DRAW_DOC.split()[2])
     check_ddp_step(t)
     readme = REPO / "01-ddp-basics/README.md"
     r0, r1 = t["ranks"]
