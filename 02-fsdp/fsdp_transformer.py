@@ -197,9 +197,9 @@ def train(args, strategy: str, d):
         x_all, y_all = token_batch(args.seed, step, global_bs, args.seq_len, args.vocab)
         # Count the collectives of the last step (a complete, steady-state step).
         comm = CollectiveCounter() if step == args.steps - 1 else contextlib.nullcontext()
-        # ... and the gradient bytes held between its micro-steps
+        # ... and, for --metrics-out, the gradient bytes held between its micro-steps
         between = (lambda: accum_grads.append(accumulating_grad_bytes(model))) \
-            if step == args.steps - 1 else None
+            if step == args.steps - 1 and args.metrics_out else None
         with nvtx_range(f"step {step + 1}"):  # nsys --capture-range=nvtx --nvtx-capture="step N"
             step_loss, norm = train_step(args, d, model, mesh, optimizer,
                                          x_all[rows].to(d.device), y_all[rows].to(d.device), comm,
@@ -216,33 +216,32 @@ def train(args, strategy: str, d):
     bar.close()
     tokens_per_s = len(timed) * global_bs * args.seq_len / elapsed if timed else None
     return report_run(args, strategy, d, model, mesh, optimizer, losses, grad_norms,
-                      comm.summary(), tokens_per_s, timed, max(accum_grads, default=None))
+                      comm.summary(), tokens_per_s, timed,
+                      None if None in accum_grads else max(accum_grads, default=None))
 
 
-def accumulating_grad_bytes(model) -> int:
+def accumulating_grad_bytes(model) -> int | None:
     """Gradient bytes this rank holds between two micro-steps of one optimizer step.
 
     DDP under no_sync(): its full .grad (the buckets). FSDP2 under
     set_requires_gradient_sync(False): each unit's full, unsharded gradient, kept on the
     unsharded parameter (or, with a reduce dtype, in `unsharded_accumulated_grad`) until the last
-    micro-step reduce-scatters it. FSDP2's attributes are private: torch 2.14's names."""
+    micro-step reduce-scatters it. FSDP2's attributes are private (torch 2.14's names): if a
+    torch renames them, this measures nothing (None) rather than stop the job."""
     if not isinstance(model, FSDPModule):
         return report.tensor_bytes(p.grad for p in model.parameters())
     held = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in group.fsdp_params if group else []:
-                held.append(getattr(fsdp_param, "unsharded_accumulated_grad", None))
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                held.append(None if unsharded is None else unsharded.grad)
+    try:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                for fsdp_param in group.fsdp_params if group else []:
+                    held.append(getattr(fsdp_param, "unsharded_accumulated_grad", None))
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    held.append(None if unsharded is None else unsharded.grad)
+    except AttributeError:
+        return None
     return report.tensor_bytes(held)
-
-
-def synchronize(device) -> None:
-    """Wait for the GPU's queued work before reading the clock (nothing to wait for on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,7 +301,7 @@ def report_run(args, strategy: str, d, model, mesh, optimizer, losses, grad_norm
     report.print0(f"done: {speed} | rank 0 holds params "
                   f"{held['param_bytes']:,} B, grads {held['grad_bytes']:,} B, optimizer "
                   f"{held['optim_bytes']:,} B (16P/{group} = {16 * n_params // group:,} B + "
-                  f"padding + Adam step counters)")
+                  f"{'' if mesh is None else 'padding + '}Adam step counters)")  # DDP: no shards
     global_bs = d.world_size * args.batch_size * args.grad_accum
     metrics = report.metrics(
         d, script=SCRIPT, strategy=strategy, steps=args.steps, global_batch=global_bs,

@@ -266,6 +266,43 @@ def test_the_clock_stops_before_the_counted_step(tmp_path):
     assert "done: no step timed" in result.stdout
 
 
+# The template with --grad-accum 2 at world 1: first with the accumulation probe made to fail (it
+# must not run without --metrics-out), then with FSDP2's private state renamed away (the probe
+# must record None, not stop the job).
+ACCUM_PROBE = """
+import json, sys
+from torch.distributed.fsdp import FSDPModule
+from dtcourse import lessons
+lesson, out = sys.argv[1:]
+module = lessons.load(f"{lesson}/fsdp_transformer.py")
+tiny = ["--layers", "1", "--dim", "16", "--heads", "2", "--seq-len", "8", "--vocab", "32",
+        "--batch-size", "2", "--steps", "2", "--grad-accum", "2", "--strategy", "full"]
+def must_not_run(model):
+    raise RuntimeError("measured without --metrics-out")
+measure, module.accumulating_grad_bytes = module.accumulating_grad_bytes, must_not_run
+module.main(tiny)
+def renamed(self):
+    raise AttributeError("_get_fsdp_state")
+def measure_under_a_renaming_torch(model):  # FSDP itself keeps its state; the probe reads none
+    kept, FSDPModule._get_fsdp_state = FSDPModule._get_fsdp_state, renamed
+    try:
+        return measure(model)
+    finally:
+        FSDPModule._get_fsdp_state = kept
+module.accumulating_grad_bytes = measure_under_a_renaming_torch
+module.main([*tiny, "--metrics-out", f"{out}/renamed.json"])
+"""
+
+
+def test_the_template_reads_fsdp_internals_only_for_metrics_and_survives_their_renaming(tmp_path):
+    """fsdp_transformer.py measures the gradient bytes held between micro-steps through FSDP2's
+    private attributes: only when --metrics-out asks for it, and a torch that renamed them gets
+    accum_grad_bytes None instead of a job that crashes at its last step."""
+    run_python("-c", ACCUM_PROBE, str(REPO / LESSON), str(tmp_path), timeout=240)
+    for rank in read_json(tmp_path / "renamed.json")["per_rank"]:
+        assert rank["accum_grad_bytes"] is None
+
+
 def test_ddp_runs_its_built_in_allreduce_with_no_comm_hook(gpt):
     """The DDP strategy keeps DDP's own (C++) all-reduce: its logging data records no comm hook,
     and CollectiveCounter still sees the one bucket all-reduce of the gradients, 4P bytes."""
