@@ -307,7 +307,8 @@ def choose_device(device_arg: str, me: Launch) -> torch.device:
     """--device auto|cpu|cuda: the GPU of this local rank when CUDA is asked for or available.
 
     auto takes the GPUs only when every process of this machine gets one: a two-process
-    torchrun on a one-GPU laptop runs on the CPU (and says so) instead of failing."""
+    torchrun on a one-GPU laptop runs on the CPU (and says so) instead of failing, except in a
+    SLURM job."""
     if device_arg == "cuda" and not torch.cuda.is_available():
         cli.fail("--device cuda was asked for, but CUDA is not available on this machine")
     if device_arg == "cpu" or not torch.cuda.is_available():
@@ -315,6 +316,10 @@ def choose_device(device_arg: str, me: Launch) -> torch.device:
     count = torch.cuda.device_count()
     srun_bound = me.launcher == "srun" and count == 1  # srun --gpus-per-task=1: sees its GPU only
     if device_arg == "auto" and me.local_world_size > count and not srun_bound:
+        if os.environ.get("SLURM_JOB_ID"):  # a GPU allocation that trains on its CPUs: a mistake
+            cli.fail(f"--device auto: {me.local_world_size} processes on this machine but {count} "
+                     f"GPU(s) in SLURM job {os.environ['SLURM_JOB_ID']}: start at most {count}, "
+                     f"or pass --device cpu")
         if me.local_rank == 0:
             print(f"--device auto: {me.local_world_size} processes on this machine but {count} "
                   f"GPU(s): running on the CPU with gloo", file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ Launch (from the repository root):
     torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py             # 2 ranks, one node
     torchrun --nproc_per_node=2 01-ddp-basics/ddp_training.py --grad-accum 2 --ckpt-dir runs/ddp
     python 01-ddp-basics/ddp_training.py --spawn 2                        # mp.spawn, no torchrun
-    srun -n 2 --gpus-per-task=1 --cpus-per-task=8 python 01-ddp-basics/ddp_training.py  # SLURM
+    srun -N 1 -n 8 --gpus-per-node=8 --cpus-per-task=8 python 01-ddp-basics/ddp_training.py  # SLURM
     torchrun --nproc_per_node=8 01-ddp-basics/ddp_training.py --device cuda --precision bf16
 
 What DDP does each optimizer step (and where this file does it):
@@ -120,12 +120,30 @@ def lr_at(step: int, peak: float, warmup: int) -> float:
 # Checkpoints: rank 0 writes to a temporary name and renames, so a kill never leaves half a file
 
 
+def checkpoints(ckpt_dir: Path) -> list[Path]:
+    """The step_N.pt files, oldest first, by step number (as names, step_1000000.pt would sort
+    before step_999999.pt)."""
+    return sorted(ckpt_dir.glob("step_*.pt"), key=lambda path: int(path.stem.split("_")[1]))
+
+
+def load(path: Path) -> dict:
+    # weights_only: tensors, numbers, strings and containers only, so a file planted in a shared
+    # --ckpt-dir cannot run code on every rank (everything saved here is of those kinds)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def remove_interrupted_writes(ckpt_dir: Path) -> None:
+    """Delete the temporary files of writes that a kill interrupted (a model's size each)."""
+    for stale in ckpt_dir.glob(".step_*.pt.tmp"):
+        stale.unlink()
+
+
 def latest_checkpoint(ckpt_dir: Path):
     """(path, state) of the newest checkpoint that loads (a corrupt newest one is skipped), or
     None."""
-    for path in sorted(ckpt_dir.glob("step_*.pt"), reverse=True):
+    for path in reversed(checkpoints(ckpt_dir)):
         try:
-            return path, torch.load(path, map_location="cpu", weights_only=False)
+            return path, load(path)
         except Exception as exc:  # noqa: BLE001 - any unreadable file: fall back to an older one
             print(f"warning: skipping unreadable checkpoint {path}: {exc}", file=sys.stderr)
     return None
@@ -181,7 +199,7 @@ def save_checkpoint(args, d, step: int, model, optimizer, scheduler, scaler, rec
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        for old in sorted(ckpt_dir.glob("step_*.pt"))[:-args.keep_ckpts]:  # after the new one
+        for old in checkpoints(ckpt_dir)[:-args.keep_ckpts]:  # after the new one is in place
             old.unlink()
     # Nobody reads or moves on before the file is complete. The other ranks wait here while rank
     # 0 writes, and this barrier is bounded by --timeout-s like every collective: on NCCL the
@@ -201,6 +219,7 @@ def resume(args, d, model, optimizer, scheduler, scaler) -> tuple[int, list]:
     name, ckpt = [None], None
     if d.rank == 0:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        remove_interrupted_writes(args.ckpt_dir)
         found = latest_checkpoint(args.ckpt_dir)
         if found is not None:
             name, ckpt = [found[0].name], found[1]
@@ -210,7 +229,7 @@ def resume(args, d, model, optimizer, scheduler, scaler) -> tuple[int, list]:
     path = args.ckpt_dir / name[0]
     if ckpt is None:
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+            ckpt = load(path)
         except Exception as exc:  # noqa: BLE001 - reported once the ranks have compared steps
             ckpt, error = None, str(exc).splitlines()[0]
     # Every rank holds the same step, or every rank stops: one all-reduce gives the largest step

@@ -225,7 +225,8 @@ def choose_device(device_arg: str, launch: Launch) -> torch.device:
 
     auto takes the GPUs only when every process of this node gets one: a lesson's
     `torchrun --nproc_per_node=2` on a one-GPU machine runs on the CPU with gloo (and says so)
-    instead of failing; --device cuda asks for the GPUs and fails there."""
+    instead of failing; --device cuda asks for the GPUs and fails there. Inside a SLURM job auto
+    fails too: a GPU allocation that trains on its CPUs is a mistake, not a fallback."""
     if device_arg == "cuda" and not torch.cuda.is_available():
         fail("--device cuda was asked for, but CUDA is not available on this machine")
     if device_arg == "cpu" or not torch.cuda.is_available():
@@ -233,6 +234,10 @@ def choose_device(device_arg: str, launch: Launch) -> torch.device:
     count = torch.cuda.device_count()
     local = launch.local_world_size or launch.local_rank + 1
     if device_arg == "auto" and local > count and not (launch.launcher == "srun" and count == 1):
+        if os.environ.get("SLURM_JOB_ID"):
+            fail(f"--device auto: {local} processes on this node but {count} GPU(s) in SLURM job "
+                 f"{os.environ['SLURM_JOB_ID']}: start at most {count} per node, or pass "
+                 f"--device cpu to train on the CPUs")
         if launch.local_rank == 0:
             print(f"--device auto: {local} processes on this node but {count} GPU(s): running on "
                   f"the CPU with gloo (start at most {count} processes per node, or pass "

@@ -311,6 +311,33 @@ def test_checkpoints_keep_the_cuda_rng_state_of_this_rank_gpu_only(monkeypatch):
     assert seen == [("get", gpu), ("set", gpu)]
 
 
+class Planted:
+    """An object whose unpickling would run code: what a hostile file in a shared --ckpt-dir
+    holds."""
+    def __reduce__(self):
+        return (print, ("code ran while loading",))
+
+
+def test_checkpoints_are_ordered_by_step_and_loaded_as_data_only(tmp_path, capsys):
+    """The newest checkpoint is the largest step, not the last name (step_1000000.pt sorts before
+    step_999999.pt as text); a file that needs code to load is skipped as unreadable, not run;
+    resume removes the temporary files of interrupted writes."""
+    training = load_script(TRAIN)
+    for step in (999_999, 1_000_000, 99):
+        torch.save({"step": step}, tmp_path / f"step_{step:06d}.pt")
+    assert [p.name for p in training.checkpoints(tmp_path)] == \
+        ["step_000099.pt", "step_999999.pt", "step_1000000.pt"]
+    assert training.latest_checkpoint(tmp_path)[1] == {"step": 1_000_000}
+    torch.save({"step": 1_000_001, "payload": Planted()}, tmp_path / "step_1000001.pt")
+    path, state = training.latest_checkpoint(tmp_path)
+    assert state == {"step": 1_000_000}
+    out = capsys.readouterr()
+    assert "skipping unreadable checkpoint" in out.err and "code ran" not in out.out + out.err
+    (tmp_path / ".step_1000002.pt.tmp").write_bytes(b"half a file")
+    training.remove_interrupted_writes(tmp_path)  # rank 0, as resume starts
+    assert not list(tmp_path.glob(".step_*.tmp")) and len(training.checkpoints(tmp_path)) == 4
+
+
 def test_sigterm_without_a_ckpt_dir_says_that_nothing_was_saved(tmp_path):
     """SIGTERM (a preemption) stops every rank at the same step. With --ckpt-dir the template
     checkpoints that step; without one nothing is saved, and the line says so."""
@@ -557,6 +584,7 @@ def test_mnist_auto_device_takes_the_gpus_only_when_every_local_process_gets_one
     mnist = load_script(MNIST)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # a learner's machine, not a SLURM job
 
     def at(rank, launcher="torchrun", local=2):
         return mnist.Launch(launcher, rank, 2, rank, local, "127.0.0.1", 29500)
@@ -567,6 +595,11 @@ def test_mnist_auto_device_takes_the_gpus_only_when_every_local_process_gets_one
     with pytest.raises(SystemExit):
         mnist.choose_device("cuda", at(1))
     assert mnist.choose_device("auto", at(0, local=1)) == torch.device("cuda", 0)
+    assert mnist.choose_device("auto", at(1, "srun")) == torch.device("cuda", 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # in a SLURM job: a GPU job never trains on CPUs
+    with pytest.raises(SystemExit):
+        mnist.choose_device("auto", at(0))
+    assert "2 processes on this machine but 1 GPU(s) in SLURM job 77" in capsys.readouterr().err
     assert mnist.choose_device("auto", at(1, "srun")) == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert mnist.choose_device("auto", at(1)) == torch.device("cuda", 1)

@@ -343,6 +343,7 @@ def test_auto_takes_the_gpus_only_when_every_local_process_gets_one(monkeypatch,
     from dtcourse import launch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # a learner's machine, not a SLURM job
 
     def at(rank, launcher="torchrun", local=2):
         return launch.Launch(launcher, rank, 2, rank, local, "127.0.0.1", 29500)
@@ -353,6 +354,11 @@ def test_auto_takes_the_gpus_only_when_every_local_process_gets_one(monkeypatch,
     with pytest.raises(SystemExit):
         launch.choose_device("cuda", at(1))
     assert launch.choose_device("auto", at(0, local=1)) == torch.device("cuda", 0)
+    assert launch.choose_device("auto", at(1, "srun")) == torch.device("cuda", 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # in a SLURM job: a GPU job never trains on CPUs
+    with pytest.raises(SystemExit):
+        launch.choose_device("auto", at(0))
+    assert "2 processes on this node but 1 GPU(s) in SLURM job 77" in capsys.readouterr().err
     assert launch.choose_device("auto", at(1, "srun")) == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert launch.choose_device("auto", at(1)) == torch.device("cuda", 1)
