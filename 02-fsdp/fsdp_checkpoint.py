@@ -29,6 +29,7 @@ the directory and picks the newest step for everyone. On node-local disks each n
 only its own ranks' files, and the other nodes would not find the step_* directory rank 0 chose.
 """
 
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -88,9 +89,16 @@ def newest_checkpoint(ckpt_dir: Path, rank: int):
     choice = [None]
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for old in ckpt_dir.glob(".old_step_*"):  # a replace that stopped halfway (save_checkpoint)
+            final = ckpt_dir / old.name.removeprefix(".old_")
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.rename(final)  # the new one never got its name: the old one gets it back
         for tmp in ckpt_dir.glob(".tmp_step_*"):
             shutil.rmtree(tmp, ignore_errors=True)
-        done = sorted(p for p in ckpt_dir.glob("step_*") if (p / ".metadata").exists())
+        done = sorted((p for p in ckpt_dir.glob("step_*") if (p / ".metadata").exists()),
+                      key=lambda p: int(p.name.split("_")[1]))  # by step, not by name
         choice = [str(done[-1]) if done else None]
     dist.broadcast_object_list(choice, src=0)
     return Path(choice[0]) if choice[0] else None
@@ -110,11 +118,23 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, world: int, ran
     dcp.save(state, checkpoint_id=str(tmp))  # collective: rank 0 writes .metadata last
     dist.barrier()
     if rank == 0:
-        if final.exists():  # an earlier run wrote this step already (a restart): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)  # atomic: the name step_* appears only for a whole checkpoint
+        old = ckpt_dir / f".old_{final.name}"
+        if final.exists():  # an earlier run wrote this step already (a restart): move it aside,
+            final.rename(old)  # so that a kill from here on still leaves one of the two
+        tmp.rename(final)  # the name step_* appears only for a whole checkpoint
+        fsync_dir(ckpt_dir)  # ... and stays after a node crash (on a filesystem that honours it)
+        shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable: the directory's own entry list is flushed to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path: Path, model, optimizer):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import (REPO, assert_adamw_close, assert_state_dicts_close,
-                      assert_state_dicts_equal, load_export, read_json, run_python, run_torchrun)
+                      assert_state_dicts_equal, load_export, load_script, read_json, run_python,
+                      run_torchrun)
 from dtcourse.models import GPT, ResidualMLP, gpt_parameter_count
 
 LESSON = "02-fsdp"
@@ -549,6 +550,33 @@ def test_exercise_4_removes_the_last_line_of_reduce_scatter_grad():
 
 
 CKPT = f"{LESSON}/fsdp_checkpoint.py"
+
+
+def test_a_replaced_checkpoint_survives_a_kill_halfway_and_the_newest_is_the_largest_step(
+        tmp_path):
+    """save_checkpoint replaces an existing step_N by moving it aside to .old_step_N first: a
+    kill after that move leaves the old one, which the next start names step_N again (the
+    complete new one is still .tmp_step_N, which is dropped). The newest is chosen by step
+    number (step_1000000 after step_999999), and only a directory with DCP's .metadata counts."""
+    import torch.distributed as dist
+    ckpt = load_script(CKPT)
+
+    def written(name, metadata=True):
+        (tmp_path / name).mkdir()
+        if metadata:
+            (tmp_path / name / ".metadata").write_bytes(b"")
+    written("step_999999")
+    written(".old_step_1000000")  # moved aside, then the kill: no step_1000000
+    written(".tmp_step_1000000")
+    written("step_1000001", metadata=False)  # a write that never finished
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        newest = ckpt.newest_checkpoint(tmp_path, rank=0)
+    finally:
+        dist.destroy_process_group()
+    assert newest == tmp_path / "step_1000000"
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["step_1000000", "step_1000001", "step_999999"]
 
 
 @pytest.fixture(scope="module")
