@@ -81,7 +81,7 @@ def draw(t: dict, path: Path) -> None:
     ax.set_title(f"FSDP2, one training step (step {t['profiled_step']}) at world "
                  f"{t['world_size']}: fsdp_transformer.py's GPT ({t['layers']} blocks, dim "
                  f"{t['dim']}), fully_shard per block (reshard_after_forward=True) + root; "
-                 f"{t['machine']}, {t['backend']}, torch {t['torch_version']}\nfrom "
+                 f"{t['backend']}\nfrom "
                  "torch.profiler. "
                  "F/B = forward/backward compute of a unit; hatched: the main thread inside FSDP's "
                  "all-gather or reduce-scatter (issue, wait, copy-out);\ntriangle: backward "
