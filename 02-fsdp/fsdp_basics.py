@@ -13,7 +13,9 @@ FSDP1's ShardingStrategy names and their FSDP2 spelling:
     SHARD_GRAD_OP  reshard_after_forward=False: the forward's gathered params are kept until
                    backward (one all-gather per step instead of two, more memory between them).
     NO_SHARD       a 2-D mesh (N, 1): shard groups of one rank, replicated N times: every rank
-                   keeps everything and gradients are all-reduced, which is DDP.
+                   keeps everything and gradients are all-reduced: DDP's arithmetic, but one
+                   all-reduce per unit (not DDP's buckets), and each unit's parameters copied to
+                   an unsharded tensor while in use.
     HYBRID_SHARD   a 2-D mesh (N/S, S): shard inside groups of S ranks (a node, fast links),
                    replicate across groups: reduce-scatter inside a group, all-reduce across.
 
