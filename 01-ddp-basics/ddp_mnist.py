@@ -317,11 +317,11 @@ def choose_device(device_arg: str, me: Launch) -> torch.device:
     srun_bound = me.launcher == "srun" and count == 1  # srun --gpus-per-task=1: sees its GPU only
     if device_arg == "auto" and me.local_world_size > count and not srun_bound:
         if os.environ.get("SLURM_JOB_ID"):  # a GPU allocation that trains on its CPUs: a mistake
-            cli.fail(f"--device auto: {me.local_world_size} processes on this machine but {count} "
-                     f"GPU(s) in SLURM job {os.environ['SLURM_JOB_ID']}: start at most {count}, "
-                     f"or pass --device cpu")
+            cli.fail(f"--device auto: {me.local_world_size} processes on this node but {count} "
+                     f"GPU(s) in SLURM job {os.environ['SLURM_JOB_ID']}: start at most {count} "
+                     f"per node, or pass --device cpu")
         if me.local_rank == 0:
-            print(f"--device auto: {me.local_world_size} processes on this machine but {count} "
+            print(f"--device auto: {me.local_world_size} processes on this node but {count} "
                   f"GPU(s): running on the CPU with gloo", file=sys.stderr, flush=True)
         return torch.device("cpu")
     if me.local_rank < count:

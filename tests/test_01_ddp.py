@@ -575,36 +575,6 @@ def test_mnist_setup_reads_the_launcher_like_the_shared_module(env):
         assert (mine.launcher, mine.master_addr, mine.master_port) == ("mpirun", "127.0.0.1", 29500)
 
 
-def test_mnist_auto_device_takes_the_gpus_only_when_every_local_process_gets_one(monkeypatch,
-                                                                               capsys):
-    """Section 1's two-process torchrun on a learner's one-GPU machine: the written-out set-up
-    runs on the CPU (said once, by local rank 0), as the shared module does, instead of failing
-    on local rank 1; --device cuda still fails; one GPU per process, or an srun task bound to its
-    GPU, takes cuda:<index>. CUDA's device count is mocked."""
-    mnist = load_script(MNIST)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # a learner's machine, not a SLURM job
-
-    def at(rank, launcher="torchrun", local=2):
-        return mnist.Launch(launcher, rank, 2, rank, local, "127.0.0.1", 29500)
-    assert mnist.choose_device("auto", at(0)) == torch.device("cpu")
-    assert "2 processes on this machine but 1 GPU(s)" in capsys.readouterr().err
-    assert mnist.choose_device("auto", at(1)) == torch.device("cpu")
-    assert capsys.readouterr().err == ""
-    with pytest.raises(SystemExit):
-        mnist.choose_device("cuda", at(1))
-    assert mnist.choose_device("auto", at(0, local=1)) == torch.device("cuda", 0)
-    assert mnist.choose_device("auto", at(1, "srun")) == torch.device("cuda", 0)
-    monkeypatch.setenv("SLURM_JOB_ID", "77")  # in a SLURM job: a GPU job never trains on CPUs
-    with pytest.raises(SystemExit):
-        mnist.choose_device("auto", at(0))
-    assert "2 processes on this machine but 1 GPU(s) in SLURM job 77" in capsys.readouterr().err
-    assert mnist.choose_device("auto", at(1, "srun")) == torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert mnist.choose_device("auto", at(1)) == torch.device("cuda", 1)
-
-
 def test_mnist_setup_refuses_mpirun_on_several_nodes_without_a_master(capsys):
     """Only the user knows which host runs rank 0: both set-ups stop with a message saying what
     to pass, instead of N processes each waiting for a master on their own machine."""

@@ -336,11 +336,18 @@ def test_setup_exports_the_chosen_gpu_as_local_rank(monkeypatch, visible, index)
          "MASTER_ADDR": "vm", "MASTER_PORT": "20010"}
 
 
-def test_auto_takes_the_gpus_only_when_every_local_process_gets_one(monkeypatch, capsys):
+@pytest.mark.parametrize("setup", ["dtcourse.launch", "01-ddp-basics/ddp_mnist.py"])
+def test_auto_takes_the_gpus_only_when_every_local_process_gets_one(setup, monkeypatch, capsys):
     """A lesson's `torchrun --nproc_per_node=2` on a one-GPU machine: --device auto runs on the
     CPU and says why on local rank 0; --device cuda still fails; with a GPU per process, or an
-    srun task bound to its one GPU, auto takes cuda:<its index>. CUDA's device count is mocked."""
-    from dtcourse import launch
+    srun task bound to its one GPU, auto takes cuda:<its index>; inside a SLURM job auto fails
+    (a GPU job that trains on its CPUs is a mistake). The same for the shared module and for
+    lesson 01's written-out set-up. CUDA's device count is mocked."""
+    if setup == "dtcourse.launch":
+        from dtcourse import launch
+    else:
+        from dtcourse.lessons import load
+        launch = load(REPO / setup)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # a learner's machine, not a SLURM job
