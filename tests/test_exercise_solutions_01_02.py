@@ -261,9 +261,9 @@ def test_02_ex4_without_the_free_every_gathered_weight_stays_until_the_step():
 
 
 def test_02_ex5_resumed_at_world_4_equals_an_uninterrupted_world_4_run():
-    run_documented(README_02, EX5_02_SAVE)
-    run_documented(README_02, EX5_02_RESUME, "runs/02-fsdp/ex5_resumed.pt")
-    run_documented(README_02, EX5_02_WORLD4, "runs/02-fsdp/ex5_world4.pt")
+    run_documented(REPO / "02-fsdp" / "checkpointing.md", EX5_02_SAVE)
+    run_documented(REPO / "02-fsdp" / "checkpointing.md", EX5_02_RESUME, "runs/02-fsdp/ex5_resumed.pt")
+    run_documented(REPO / "02-fsdp" / "checkpointing.md", EX5_02_WORLD4, "runs/02-fsdp/ex5_world4.pt")
     # steps 1-10 summed the gradient over 2 ranks, the uninterrupted run over 4: another order
     # of the same float32 additions, which AdamW can magnify on coordinates with tiny gradients
     # (conftest.assert_adamw_close argues the bound); fsdp_checkpoint.py's lr is its default.
@@ -273,7 +273,7 @@ def test_02_ex5_resumed_at_world_4_equals_an_uninterrupted_world_4_run():
 
 
 def test_02_ex6_after_torchs_zero_grad_each_owner_steps_with_its_own_unaveraged_gradient():
-    run_documented(README_02, EX6_02, "runs/02-fsdp/ex6_zero_grad.json")
+    run_documented(REPO / "02-fsdp" / "lineage.md", EX6_02, "runs/02-fsdp/ex6_zero_grad.json")
     data = read_json(REPO / "runs/02-fsdp/ex6_zero_grad.json")
     drift = data["max_abs_diff_to_ddp"]
     # the wrapper's own zero_grad: bitwise DDP at every step (world 2: sums of two terms)
