@@ -152,7 +152,7 @@ def ddp_buckets(sizes_in_backward_order: list[int], first_cap: int, cap: int) ->
 
 
 def test_01_ex4_the_benchmark_reports_ddps_buckets():
-    run_documented(README_01, EX4_01, "runs/01-ddp-basics/ex4_hidden128.json")
+    run_documented(REPO / "01-ddp-basics" / "scaling_and_resume.md", EX4_01, "runs/01-ddp-basics/ex4_hidden128.json")
     rows = read_json(REPO / "runs/01-ddp-basics/ex4_hidden128.json")
     bench = load_script("01-ddp-basics/ddp_benchmark.py")
     from dtcourse.models import MLP
