@@ -22,6 +22,7 @@ group) comes from the course's shared module, dtcourse.launch.
 import contextlib
 import os
 import random
+import re
 import signal
 import sys
 from pathlib import Path
@@ -122,13 +123,14 @@ def lr_at(step: int, peak: float, warmup: int) -> float:
 
 def checkpoints(ckpt_dir: Path) -> list[Path]:
     """The step_N.pt files, oldest first, by step number (as names, step_1000000.pt would sort
-    before step_999999.pt)."""
-    return sorted(ckpt_dir.glob("step_*.pt"), key=lambda path: int(path.stem.split("_")[1]))
+    before step_999999.pt). Other files, step_10.old.pt say, are not checkpoints of this run."""
+    steps = {path: re.fullmatch(r"step_(\d+)\.pt", path.name) for path in ckpt_dir.iterdir()}
+    return sorted((path for path, m in steps.items() if m), key=lambda path: int(steps[path][1]))
 
 
 def load(path: Path) -> dict:
-    # weights_only: tensors, numbers, strings and containers only, so a file planted in a shared
-    # --ckpt-dir cannot run code on every rank (everything saved here is of those kinds)
+    # weights_only: tensors, numbers, strings and containers only (all that is saved here), so a
+    # file planted in a shared --ckpt-dir cannot call arbitrary functions on every rank
     return torch.load(path, map_location="cpu", weights_only=True)
 
 

@@ -320,11 +320,13 @@ class Planted:
 
 def test_checkpoints_are_ordered_by_step_and_loaded_as_data_only(tmp_path, capsys):
     """The newest checkpoint is the largest step, not the last name (step_1000000.pt sorts before
-    step_999999.pt as text); a file that needs code to load is skipped as unreadable, not run;
-    resume removes the temporary files of interrupted writes."""
+    step_999999.pt as text), and a file not named step_<N>.pt is none; a file that needs code to
+    load is skipped as unreadable, not run; resume removes the temporary files of interrupted
+    writes."""
     training = load_script(TRAIN)
     for step in (999_999, 1_000_000, 99):
         torch.save({"step": step}, tmp_path / f"step_{step:06d}.pt")
+    (tmp_path / "step_000010.old.pt").write_bytes(b"a user's copy")  # not a checkpoint name
     assert [p.name for p in training.checkpoints(tmp_path)] == \
         ["step_000099.pt", "step_999999.pt", "step_1000000.pt"]
     assert training.latest_checkpoint(tmp_path)[1] == {"step": 1_000_000}
