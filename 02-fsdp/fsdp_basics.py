@@ -14,8 +14,8 @@ FSDP1's ShardingStrategy names and their FSDP2 spelling:
                    backward (one all-gather per step instead of two, more memory between them).
     NO_SHARD       a 2-D mesh (N, 1): shard groups of one rank, replicated N times: every rank
                    keeps everything and gradients are all-reduced: DDP's arithmetic, but one
-                   all-reduce per unit (not DDP's buckets), and each unit's parameters copied to
-                   an unsharded tensor while in use.
+                   all-reduce per unit (not DDP's buckets), with copies of a unit's parameters
+                   and gradients while it is in use.
     HYBRID_SHARD   a 2-D mesh (N/S, S): shard inside groups of S ranks (a node, fast links),
                    replicate across groups: reduce-scatter inside a group, all-reduce across.
 
