@@ -19,8 +19,9 @@ A checkpoint is a directory:
         .metadata         written last by rank 0: global shapes, and which file holds which chunk
         __0_0.distcp      rank 0's shards (its rows of every parameter and of its Adam state)
         __1_0.distcp      rank 1's shards
-It is written as .tmp_step_000010 and renamed when every rank has finished, so a directory named
-step_* is always complete; the newest one is resumed. Loading maps the saved chunks onto the
+It is written as .tmp_step_000010, fsynced, and renamed when every rank has finished, so a
+directory named step_* is complete (an existing one is moved aside to .old_step_* first, and put
+back if the new one never got its name); the newest one is resumed. Loading maps the saved chunks onto the
 shards the *current* ranks hold, whatever the world size that saved them.
 
 On several nodes, --ckpt-dir must be one filesystem that every node mounts (NFS, Lustre, GPFS, ...):
@@ -30,6 +31,7 @@ only its own ranks' files, and the other nodes would not find the step_* directo
 """
 
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -97,8 +99,11 @@ def newest_checkpoint(ckpt_dir: Path, rank: int):
                 old.rename(final)  # the new one never got its name: the old one gets it back
         for tmp in ckpt_dir.glob(".tmp_step_*"):
             shutil.rmtree(tmp, ignore_errors=True)
-        done = sorted((p for p in ckpt_dir.glob("step_*") if (p / ".metadata").exists()),
-                      key=lambda p: int(p.name.split("_")[1]))  # by step, not by name
+        # step_<N> with DCP's .metadata, by step number (step_1000000 after step_999999); a copy
+        # such as step_000010.bak is not a checkpoint of this run
+        steps = {p: re.fullmatch(r"step_(\d+)", p.name) for p in ckpt_dir.iterdir()}
+        done = sorted((p for p, m in steps.items() if m and (p / ".metadata").exists()),
+                      key=lambda p: int(steps[p][1]))
         choice = [str(done[-1]) if done else None]
     dist.broadcast_object_list(choice, src=0)
     return Path(choice[0]) if choice[0] else None
@@ -121,6 +126,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, world: int, ran
         old = ckpt_dir / f".old_{final.name}"
         if final.exists():  # an earlier run wrote this step already (a restart): move it aside,
             final.rename(old)  # so that a kill from here on still leaves one of the two
+        fsync_dir(tmp)  # every rank's file entry and .metadata's, before the name points there
         tmp.rename(final)  # the name step_* appears only for a whole checkpoint
         fsync_dir(ckpt_dir)  # ... and stays after a node crash (on a filesystem that honours it)
         shutil.rmtree(old, ignore_errors=True)

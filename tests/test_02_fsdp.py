@@ -557,7 +557,8 @@ def test_a_replaced_checkpoint_survives_a_kill_halfway_and_the_newest_is_the_lar
     """save_checkpoint replaces an existing step_N by moving it aside to .old_step_N first: a
     kill after that move leaves the old one, which the next start names step_N again (the
     complete new one is still .tmp_step_N, which is dropped). The newest is chosen by step
-    number (step_1000000 after step_999999), and only a directory with DCP's .metadata counts."""
+    number (step_1000000 after step_999999), and only a step_<N> directory with DCP's .metadata
+    counts."""
     import torch.distributed as dist
     ckpt = load_script(CKPT)
 
@@ -569,6 +570,7 @@ def test_a_replaced_checkpoint_survives_a_kill_halfway_and_the_newest_is_the_lar
     written(".old_step_1000000")  # moved aside, then the kill: no step_1000000
     written(".tmp_step_1000000")
     written("step_1000001", metadata=False)  # a write that never finished
+    written("step_1000002.bak")  # a user's copy: not a checkpoint name
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         newest = ckpt.newest_checkpoint(tmp_path, rank=0)
@@ -576,7 +578,7 @@ def test_a_replaced_checkpoint_survives_a_kill_halfway_and_the_newest_is_the_lar
         dist.destroy_process_group()
     assert newest == tmp_path / "step_1000000"
     assert sorted(p.name for p in tmp_path.iterdir()) == \
-        ["step_1000000", "step_1000001", "step_999999"]
+        ["step_1000000", "step_1000001", "step_1000002.bak", "step_999999"]
 
 
 @pytest.fixture(scope="module")
