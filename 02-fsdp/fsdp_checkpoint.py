@@ -21,8 +21,8 @@ A checkpoint is a directory:
         __1_0.distcp      rank 1's shards
 It is written as .tmp_step_000010, fsynced, and renamed when every rank has finished, so a
 directory named step_* is complete (an existing one is moved aside to .old_step_* first, and put
-back if the new one never got its name); the newest one is resumed. Loading maps the saved chunks onto the
-shards the *current* ranks hold, whatever the world size that saved them.
+back if the new one never got its name); the newest one is resumed. Loading maps the saved chunks
+onto the shards the *current* ranks hold, whatever the world size that saved them.
 
 On several nodes, --ckpt-dir must be one filesystem that every node mounts (NFS, Lustre, GPFS, ...):
 every rank writes its own file into the same directory, and rank 0 alone writes .metadata, renames
