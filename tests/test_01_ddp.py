@@ -622,3 +622,25 @@ def test_mnist_setup_pins_one_thread_per_rank_whatever_omp_num_threads():
             "d = m.init_distributed('cpu', 60); print(torch.get_num_threads()); m.teardown()")
     out = launch([PYTHON, "-c", code], env={"OMP_NUM_THREADS": "2"}, timeout=120)
     assert out.stdout.split() == ["1"], out.stdout
+
+
+def test_the_gpu_prediction_of_section_6_is_its_own_arithmetic():
+    """Section 6's prediction for a 1B-parameter model on one 8-GPU node is arithmetic on stated
+    assumptions (25 GB/s PCIe, 400 GB/s NVLink, 300 TFLOP/s sustained, backward two thirds of
+    compute): every figure it prints is recomputed here from them, so an edit of one assumption
+    or one result that leaves the others behind fails."""
+    text = " ".join(README.read_text().split())
+    start = text.index("**What to expect on GPUs (a prediction, not a measurement)**")
+    paragraph = text[start:text.index("Smaller per-GPU batches", start)]
+    P, N, tokens = 1e9, 8, 8 * 2048
+    sent = 4 * P * 2 * (N - 1) / N                      # fp32 gradients, ring all-reduce
+    pcie, nvlink = sent / 25e9, sent / 400e9
+    compute = 6 * tokens * P / 300e12
+    backward = compute * 2 / 3
+    for figure in (f"{tokens:,} x 10^9", f"{sent / 1e9:.0f} GB", f"{pcie:.2f} s over PCIe",
+                   f"{nvlink * 1e3:.0f} ms over NVLink",
+                   f"{6 * tokens * P / 1e13:.1f} x 10^13 FLOP",
+                   f"{compute:.2f} s at a sustained 300", f"({backward:.2f} s) in backward",
+                   f"at least {pcie - backward:.2f} s shows"):
+        assert figure in paragraph, figure
+    assert nvlink < backward < pcie  # hidden over NVLink, exposed over PCIe, as the text says
