@@ -428,6 +428,9 @@ def test_data_loading_shards_and_memmap(tmp_path):
     assert sorted(seen[0] + seen[1]) == list(range(64))
     rows = m["settings"]
     assert [r["num_workers"] for r in rows] == [0, 1, 0, 1]
+    # The workers start from the fork server, never by forking a rank that runs threads (a fork
+    # there can copy a lock another thread holds, and the worker then never delivers a batch).
+    assert [r["start_method"] for r in rows] == [None, "forkserver", None, "forkserver"]
     for r in rows:
         assert 0 <= r["data_wait_fraction"] <= 1
         assert r["data_wait_fraction"] == pytest.approx(

@@ -37,6 +37,7 @@ download, the same bytes on every rank. figures/dp_figures.py draws the --metric
 
 import ctypes
 import mmap
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -78,7 +79,9 @@ class OnTheFly(Dataset):
     """Every access decodes the JPEG and runs a full augmentation (the expensive path)."""
 
     def __init__(self, jpegs, labels, size):
-        self.jpegs, self.labels = jpegs, labels
+        # numpy arrays, not tensors: a worker receives the dataset pickled (see make_loader), and
+        # pickled tensors would travel as one shared-memory file descriptor each.
+        self.jpegs, self.labels = [j.numpy() for j in jpegs], labels
         self.augment = v2.Compose([v2.RandomResizedCrop(size, antialias=True),
                                    v2.RandomHorizontalFlip(),
                                    v2.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.4)])
@@ -87,7 +90,7 @@ class OnTheFly(Dataset):
         return len(self.jpegs)
 
     def __getitem__(self, i):
-        image = self.augment(decode_jpeg(self.jpegs[i]))  # uint8 (3, size, size)
+        image = self.augment(decode_jpeg(torch.from_numpy(self.jpegs[i])))  # uint8 (3, size, size)
         return image, self.labels[i], i
 
 
@@ -395,12 +398,25 @@ class SmallCNN(nn.Module):
 # Training with one loader setting, timing the wait for each batch
 
 
+def worker_start():
+    """The loader workers start from a fork server, not by forking this rank. A rank runs threads
+    (gloo's or NCCL's, a previous loader's queue feeders); fork copies only the calling one, and a
+    lock another thread held at that instant stays locked in the child for ever: a worker that
+    never delivers a batch, and a rank that waits for it. The server is a fresh process with one
+    thread, started once per rank; it imports torch once, and each worker is forked from it.
+    (Python 3.14 made "forkserver" the default on Linux.)"""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torchvision.transforms.v2", "numpy"])
+    return context
+
+
 def make_loader(args, d, dataset, workers: int):
     # Each rank reads its own 1/world of a shuffled permutation, the same permutation on every
     # rank for a given (seed, epoch): shards are disjoint and together cover the dataset.
     sampler = DistributedSampler(dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
-    extra = dict(persistent_workers=True, prefetch_factor=args.prefetch_factor) if workers else {}
+    extra = dict(persistent_workers=True, prefetch_factor=args.prefetch_factor,
+                 multiprocessing_context=worker_start()) if workers else {}
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
                         pin_memory=d.device.type == "cuda", drop_last=True, **extra)
     return sampler, loader
@@ -450,6 +466,7 @@ def train_one_setting(args, d, dataset, workers: int):
             losses.append(train_step(d, model, optimizer, images, labels))
             t_ready = time.perf_counter()  # host clock: train_step's .item() ends the step
             compute += t_ready - t_got
+    start_method = loader.multiprocessing_context.get_start_method() if workers else None
     del loader  # shuts the persistent workers down
     # Per-rank sums, then the mean over ranks (one small all-reduce, on the run's device: NCCL
     # takes no CPU tensors).
@@ -460,6 +477,7 @@ def train_one_setting(args, d, dataset, workers: int):
     dist.all_reduce(losses)
     row = {"num_workers": workers, "pin_memory": d.device.type == "cuda",
            "persistent_workers": bool(workers),
+           "start_method": start_method,
            "prefetch_factor": args.prefetch_factor if workers else None,
            "data_wait_s": wait, "compute_s": compute, "first_batch_s": first_batch,
            "data_wait_fraction": wait / (wait + compute)}
