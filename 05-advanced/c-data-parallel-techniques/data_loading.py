@@ -79,8 +79,9 @@ class OnTheFly(Dataset):
     """Every access decodes the JPEG and runs a full augmentation (the expensive path)."""
 
     def __init__(self, jpegs, labels, size):
-        # numpy arrays, not tensors: a worker receives the dataset pickled (see make_loader), and
-        # pickled tensors would travel as one shared-memory file descriptor each.
+        # numpy arrays, not tensors: a worker receives the dataset pickled (see worker_start).
+        # Pickled tensors would move to shared memory and travel as one file descriptor each, and
+        # the fork server hands a new worker at most ~250 descriptors ("too many fds").
         self.jpegs, self.labels = [j.numpy() for j in jpegs], labels
         self.augment = v2.Compose([v2.RandomResizedCrop(size, antialias=True),
                                    v2.RandomHorizontalFlip(),
@@ -399,14 +400,18 @@ class SmallCNN(nn.Module):
 
 
 def worker_start():
-    """The loader workers start from a fork server, not by forking this rank. A rank runs threads
-    (gloo's or NCCL's, a previous loader's queue feeders); fork copies only the calling one, and a
-    lock another thread held at that instant stays locked in the child for ever: a worker that
-    never delivers a batch, and a rank that waits for it. The server is a fresh process with one
-    thread, started once per rank; it imports torch once, and each worker is forked from it.
-    (Python 3.14 made "forkserver" the default on Linux.)"""
+    """The loader workers start from a fork server, not by forking this rank. A rank runs other
+    threads (gloo's, a finished loader's queue feeders), and fork copies only the calling one:
+    whatever another thread held at that instant stays held in the child. On CPython 3.8 to
+    3.11.9 that includes the interpreter's lock on its list of threads, taken whenever
+    a thread starts, ends or enters Python (cpython#112275): the worker hangs inside fork, never
+    delivers a batch, and its rank waits for it. The server is started by fork + exec, runs no
+    other Python thread, imports torch once per rank, and forks every worker. (Python 3.12 warns
+    when a process with threads forks; 3.14 made "forkserver" the default on Linux.) The preload
+    list replaces the default ["__main__"]: each worker still imports this script, cheaply once
+    torch is in."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torchvision.transforms.v2", "numpy"])
+    context.set_forkserver_preload(["torch", "torchvision.transforms.v2"])
     return context
 
 
