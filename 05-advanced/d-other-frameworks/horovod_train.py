@@ -219,6 +219,11 @@ def main(argv=None):
     try:
         train(hvd, args, device)
     finally:
+        if os.environ.get("HOROVOD_TIMELINE"):
+            # shutdown() stops the timeline's writer thread at once, dropping the events it has
+            # not written yet (most of a short run's, on a busy machine); stop_timeline() returns
+            # once they are all in the file.
+            hvd.stop_timeline()
         hvd.shutdown()
 
 
