@@ -235,6 +235,9 @@ def ddp(tmp_path_factory):
     return out
 
 
+LAG_MS = 0.2  # what a box's CPU time may exceed its length by (check_ddp_step says why)
+
+
 def check_ddp_step(t: dict) -> None:
     """What holds in every run, whatever the machine's load."""
     layout = expected_buckets(LAYERS, WIDTH, CAP_MB)
@@ -270,12 +273,16 @@ def check_ddp_step(t: dict) -> None:
         assert all(r["backward"]["end_ms"] >= max(b["launch"]["end_ms"],
                                                   b["all_reduce"]["start_ms"])
                    for b in r["buckets"]), where
-        # The main thread's clocks, read inside each mark a few microseconds after the profiler's
-        # timestamp: the CPU time of a box cannot exceed its length by more than that lag (0.05 ms
-        # allows for it); clocks of another thread, or samples shifted by one box (the first box
-        # would then hold forward's CPU time), break it. Run-queue waits only grow.
+        # The main thread's clocks, read inside each mark after the profiler's timestamp: the CPU
+        # time of a box cannot exceed its length by more than the CPU the thread runs in that lag
+        # (returning from record_function, one pread of schedstat, whose return path also runs
+        # pending softirqs, the ranks' loopback traffic, on this thread's account). Idle that is
+        # microseconds; a CI run on a loaded 2-core machine measured 0.053 ms beyond a 0.88 ms
+        # box. LAG_MS is 0.2 ms. Samples shifted by one box put forward's CPU time (2 ms and more
+        # here) in the first box, and a clock of the whole process adds the gloo threads' time
+        # to every box: both break it by far more. Run-queue waits only grow.
         for g in r["gradients"]:
-            assert 0 <= g["cpu_ms"] <= g["end_ms"] - g["start_ms"] + 0.05, (where, g)
+            assert 0 <= g["cpu_ms"] <= g["end_ms"] - g["start_ms"] + LAG_MS, (where, g)
             assert g["waited_ms"] is None or g["waited_ms"] >= 0, (where, g)
         m = r["main_thread_until_last_gradient"]
         assert m["cpu_ms"] == pytest.approx(sum(g["cpu_ms"] for g in r["gradients"]), abs=1e-6)
